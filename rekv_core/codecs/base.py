@@ -1,0 +1,179 @@
+"""The codec interface: one layer's K and V to named wire buffers and back.
+
+A codec
+- `encode(k, v)`: K and V of one layer, each `[n_kv, S, d_h]`, to an `EncodedKV`: named, ordered
+  1-D uint8 buffers on the tensors' device, plus a small header (codec, shape, source dtype, buffer
+  sizes, checksums) that `header_bytes()` serializes and `EncodedKV.from_wire()` parses back;
+- `decode(encoded)`: back to K and V in the source dtype, on the buffers' device. Before decoding it
+  checks the codec name, shape, buffer names, dtypes and sizes against `buffer_layout()` and every
+  checksum; any mismatch raises `CorruptPayloadError` naming what is wrong, never a wrong tensor;
+- `buffer_layout(shape)` / `payload_bytes(shape)`: the exact wire bytes as a function of the shape,
+  without encoding anything (headers are not payload).
+
+Codecs know tensors and bytes, not what a layer means: the handoff decides which layer goes in
+which codec. `register_codec` adds a codec class to the registry; `get_codec(name)` builds one.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from rekv_core.codecs.checksum import checksum, default_algorithm
+
+WIRE_MAGIC = b"RKVL"
+WIRE_VERSION = 1
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class CorruptPayloadError(ValueError):
+    """An encoded layer that does not match its header or its codec's layout."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {dtype}")
+
+
+@dataclass
+class EncodedKV:
+    codec: str
+    shape: tuple[int, int, int]  # [n_kv, S, d_h] of K (and of V)
+    dtype: str  # source dtype, restored by decode
+    buffers: dict[str, torch.Tensor]  # ordered: the wire order
+    checksum_algorithm: str = "crc32"
+    checksums: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(b.numel() for b in self.buffers.values())
+
+    def header(self) -> dict:
+        return {"codec": self.codec, "shape": list(self.shape), "dtype": self.dtype,
+                "buffers": {name: b.numel() for name, b in self.buffers.items()},
+                "checksum_algorithm": self.checksum_algorithm, "checksums": self.checksums}
+
+    def header_bytes(self) -> bytes:
+        body = json.dumps(self.header(), separators=(",", ":")).encode()
+        return WIRE_MAGIC + bytes([WIRE_VERSION]) + body
+
+    @classmethod
+    def from_wire(cls, header: bytes, buffers: dict[str, torch.Tensor]) -> EncodedKV:
+        """Rebuild from a serialized header and the received buffers (validated at decode)."""
+        if header[:4] != WIRE_MAGIC or len(header) < 5:
+            raise CorruptPayloadError("header: missing the RKVL magic")
+        if header[4] != WIRE_VERSION:
+            raise CorruptPayloadError(f"header: wire version {header[4]} is not {WIRE_VERSION}")
+        try:
+            meta = json.loads(header[5:])
+            return cls(codec=meta["codec"], shape=tuple(meta["shape"]), dtype=meta["dtype"],
+                       buffers=dict(buffers), checksum_algorithm=meta["checksum_algorithm"],
+                       checksums={k: int(v) for k, v in meta["checksums"].items()})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptPayloadError(f"header: unreadable ({exc})") from exc
+
+
+def check_kv_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
+    if k.dim() != 3:
+        raise ValueError(f"k: expected [n_kv, S, d_h], got shape {tuple(k.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v: shape {tuple(v.shape)} differs from k's {tuple(k.shape)}")
+    if v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"v: dtype/device {v.dtype}/{v.device} differ from k's "
+                         f"{k.dtype}/{k.device}")
+    dtype_name(k.dtype)
+    return tuple(k.shape)
+
+
+class Codec(ABC):
+    name: str = ""
+    lossless: bool = False
+
+    @abstractmethod
+    def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
+        """Buffer names in wire order -> exact bytes, for K and V of `shape` each."""
+
+    @abstractmethod
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Inputs are validated and contiguous; return the buffers named by `buffer_layout`."""
+
+    @abstractmethod
+    def _decode(self, buffers: dict[str, torch.Tensor], shape: tuple[int, int, int],
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers are validated against the layout and their checksums."""
+
+    def check_shape(self, shape: tuple[int, int, int]) -> None:
+        """Raise `ValueError` naming the dimension this codec cannot encode."""
+        if len(shape) != 3 or any(int(n) <= 0 for n in shape):
+            raise ValueError(f"shape: expected three positive dims [n_kv, S, d_h], got {shape}")
+
+    def payload_bytes(self, shape: tuple[int, int, int]) -> int:
+        return sum(self.buffer_layout(shape).values())
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True) -> EncodedKV:
+        shape = check_kv_pair(k, v)
+        self.check_shape(shape)
+        buffers = self._encode(k.contiguous(), v.contiguous())
+        algorithm = default_algorithm(k.device)
+        sums = {name: checksum(b, algorithm) for name, b in buffers.items()} if checksums else {}
+        return EncodedKV(codec=self.name, shape=shape, dtype=dtype_name(k.dtype), buffers=buffers,
+                         checksum_algorithm=algorithm, checksums=sums)
+
+    def decode(self, encoded: EncodedKV, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoded.codec != self.name:
+            raise CorruptPayloadError(f"codec: payload is {encoded.codec!r}, decoder is "
+                                      f"{self.name!r}")
+        if encoded.dtype not in _DTYPES:
+            raise CorruptPayloadError(f"dtype: {encoded.dtype!r} is not one of {sorted(_DTYPES)}")
+        shape = tuple(int(n) for n in encoded.shape)
+        try:
+            self.check_shape(shape)
+        except ValueError as exc:
+            raise CorruptPayloadError(str(exc)) from exc
+        layout = self.buffer_layout(shape)
+        if list(encoded.buffers) != list(layout):
+            raise CorruptPayloadError(f"buffers: got {list(encoded.buffers)}, "
+                                      f"{self.name} needs {list(layout)}")
+        for name, expected in layout.items():
+            buf = encoded.buffers[name]
+            if buf.dtype != torch.uint8 or buf.dim() != 1:
+                raise CorruptPayloadError(f"buffer {name}: must be 1-D uint8, got "
+                                          f"{buf.dtype} with shape {tuple(buf.shape)}")
+            if buf.numel() != expected:
+                raise CorruptPayloadError(f"buffer {name}: {buf.numel()} bytes, expected "
+                                          f"{expected} for shape {shape}")
+            if verify:
+                if name not in encoded.checksums:
+                    raise CorruptPayloadError(f"buffer {name}: no checksum in the header")
+                if checksum(buf, encoded.checksum_algorithm) != encoded.checksums[name]:
+                    raise CorruptPayloadError(f"buffer {name}: checksum mismatch "
+                                              f"({encoded.checksum_algorithm})")
+        buffers = {name: b.contiguous() for name, b in encoded.buffers.items()}
+        return self._decode(buffers, shape, _DTYPES[encoded.dtype])
+
+
+_REGISTRY: dict[str, Callable[[], Codec]] = {}
+
+
+def register_codec(name: str, factory: Callable[[], Codec]) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"codec {name!r} is already registered")
+    _REGISTRY[name] = factory
+
+
+def codec_names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get_codec(name: str) -> Codec:
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; registered codecs: "
+                         f"{', '.join(_REGISTRY)}") from None

@@ -1,0 +1,25 @@
+"""`bf16`: K and V sent as BF16, two bytes per element (eq. 2). Lossless for BF16 input; float32
+input is rounded to BF16 on the wire and restored to float32 by decode."""
+
+from __future__ import annotations
+
+import torch
+
+from rekv_core.codecs.base import Codec
+
+
+class BF16Codec(Codec):
+    name = "bf16"
+    lossless = True
+
+    def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
+        n = shape[0] * shape[1] * shape[2] * 2
+        return {"k": n, "v": n}
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: t.to(torch.bfloat16).reshape(-1).view(torch.uint8)
+                for name, t in (("k", k), ("v", v))}
+
+    def _decode(self, buffers, shape, dtype):
+        return tuple(buffers[name].view(torch.bfloat16).reshape(shape).to(dtype)
+                     for name in ("k", "v"))

@@ -1,0 +1,268 @@
+"""The decoder executor: pure functions from tensors to tensors, one sequence at a time.
+
+The three operations the handoff needs:
+
+- `prefill(model, token_ids)` runs the whole prompt and returns every layer's K and V, the hidden
+  state entering any requested layer c (`h_c`, the residual stream before layer c's input norm) and
+  the last position's logits.
+- `run_layers(model, h_c, start=c)` runs layers [c, L) from a boundary hidden state at positions
+  [0, S) and returns those layers' K, V and the last logits. Given the `h_c` that `prefill` produced,
+  on the same device and dtype, its K and V are bit-identical to the prefill's: both go through
+  `iter_layers`, the same kernels on the same shapes.
+- `decode_step(model, token_id, cache)` appends one token to a `KVCache` and returns its logits.
+
+`iter_layers` yields layer by layer, so a caller can stream a layer's KV while later layers still
+compute, or stop early at a cut. Shapes: h `[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits
+`[vocab]` in float32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rekv_core.model.cache import KVCache
+from rekv_core.model.shapes import ModelShape
+from rekv_core.model.weights import LayerWeights, ModelWeights
+
+
+def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
+    """Inverse RoPE frequencies `[d_h/2]` in float32, with Llama-3 scaling when configured."""
+    dim = shape.head_dim
+    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = shape.rope_scaling
+    if scaling is None:
+        return inv_freq
+    low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_positions / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = ((scaling.original_max_positions / wavelen - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class Model:
+    """Weights plus the derived tables the executor needs (RoPE frequencies)."""
+
+    def __init__(self, weights: ModelWeights):
+        self.weights = weights
+        self.shape = weights.shape
+        self.inv_freq = rope_inv_freq(self.shape).to(weights.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weights.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.weights.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin `[S, d_h]` in the working dtype for integer `positions` `[S]`."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
+    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ValueError("token_ids: the prompt is empty")
+    bad = ((ids < 0) | (ids >= vocab_size)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        raise ValueError(f"token_ids: id {int(ids[i])} at position {i} is outside the "
+                         f"vocabulary [0, {vocab_size})")
+    return ids
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [H, S, d_h]; cos, sin: [S, d_h]
+    return x * cos + _rotate_half(x) * sin
+
+
+def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    shape = model.shape
+    s = x.shape[0]
+    q = F.linear(x, lw.wq, lw.bq).view(s, shape.num_heads, shape.head_dim)
+    k = F.linear(x, lw.wk, lw.bk).view(s, shape.num_kv_heads, shape.head_dim)
+    v = F.linear(x, lw.wv, lw.bv).view(s, shape.num_kv_heads, shape.head_dim)
+    if shape.qk_norm:
+        q = rms_norm(q, lw.q_norm, shape.rms_eps)
+        k = rms_norm(k, lw.k_norm, shape.rms_eps)
+    q = apply_rope(q.transpose(0, 1), cos, sin)  # [n_h, S, d_h]
+    k = apply_rope(k.transpose(0, 1), cos, sin).contiguous()  # [n_kv, S, d_h]
+    v = v.transpose(0, 1).contiguous()  # [n_kv, S, d_h]
+    return q, k, v
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    # q: [n_h, Sq, d_h]; k, v: [n_kv, Sk, d_h] -> [Sq, n_h*d_h]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal,
+                                         enable_gqa=True)[0]
+    return out.transpose(0, 1).reshape(q.shape[1], -1)
+
+
+def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
+
+
+def _layer(model: Model, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    eps = model.shape.rms_eps
+    q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
+    h = h + F.linear(_attend(q, k, v, causal=True), lw.wo)
+    h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
+    return h, k, v
+
+
+@dataclass
+class LayerStep:
+    index: int
+    hidden_in: torch.Tensor  # [S, d]: h_index, the residual stream entering this layer
+    keys: torch.Tensor  # [n_kv, S, d_h]
+    values: torch.Tensor  # [n_kv, S, d_h]
+    hidden_out: torch.Tensor  # [S, d]
+
+
+def iter_layers(model: Model, h: torch.Tensor, start: int = 0, stop: int | None = None,
+                positions: torch.Tensor | None = None) -> Iterator[LayerStep]:
+    """Run layers [start, stop) from `h` (the hidden state entering `start`), one at a time."""
+    stop = model.shape.num_layers if stop is None else stop
+    if not 0 <= start <= stop <= model.shape.num_layers:
+        raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
+    if positions is None:
+        positions = torch.arange(h.shape[0], device=h.device)
+    cos, sin = model.rope(positions)
+    for index in range(start, stop):
+        h_out, k, v = _layer(model, model.weights.layers[index], h, cos, sin)
+        yield LayerStep(index=index, hidden_in=h, keys=k, values=v, hidden_out=h_out)
+        h = h_out
+
+
+def embed(model: Model, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    ids = validate_token_ids(token_ids, model.shape.vocab_size).to(model.device)
+    return F.embedding(ids, model.weights.embed)  # [S, d]
+
+
+def final_logits(model: Model, h_last: torch.Tensor) -> torch.Tensor:
+    """Logits `[vocab]` (float32) from the final residual state of one position `[d]`."""
+    w = model.weights
+    return F.linear(rms_norm(h_last, w.final_norm, model.shape.rms_eps), w.lm_head).float()
+
+
+@dataclass
+class PrefillOutput:
+    keys: list[torch.Tensor]  # per layer [n_kv, S, d_h]
+    values: list[torch.Tensor]
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # c -> h_c [S, d]
+    logits: torch.Tensor | None = None  # [vocab] at the last position
+
+
+@torch.inference_mode()
+def prefill(model: Model, token_ids: Sequence[int] | torch.Tensor,
+            boundaries: Collection[int] | None = None) -> PrefillOutput:
+    """Run the prompt through all layers. `boundaries` selects which h_c to keep (c in [0, L]);
+    None keeps all L+1 of them."""
+    n_layers = model.shape.num_layers
+    keep = set(range(n_layers + 1)) if boundaries is None else set(boundaries)
+    if any(not 0 <= c <= n_layers for c in keep):
+        raise ValueError(f"boundaries: every cut must lie in [0, {n_layers}], got {sorted(keep)}")
+    h = embed(model, token_ids)
+    out = PrefillOutput(keys=[], values=[])
+    for step in iter_layers(model, h):
+        if step.index in keep:
+            out.hidden[step.index] = step.hidden_in
+        out.keys.append(step.keys)
+        out.values.append(step.values)
+        h = step.hidden_out
+    if n_layers in keep:
+        out.hidden[n_layers] = h
+    out.logits = final_logits(model, h[-1])
+    return out
+
+
+@dataclass
+class SuffixOutput:
+    start: int  # c
+    keys: list[torch.Tensor]  # layers [c, L), each [n_kv, S, d_h]
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # [vocab]
+
+
+@torch.inference_mode()
+def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
+    """Recompute layers [start, L) from the boundary state entering `start` (positions 0..S-1)."""
+    if h_c.dim() != 2 or h_c.shape[1] != model.shape.hidden_size:
+        raise ValueError(f"h_c: expected shape [S, {model.shape.hidden_size}], "
+                         f"got {list(h_c.shape)}")
+    if h_c.dtype != model.dtype:
+        raise ValueError(f"h_c: dtype {h_c.dtype} differs from the model's {model.dtype}")
+    keys, values, h = [], [], h_c
+    for step in iter_layers(model, h_c, start=start):
+        keys.append(step.keys)
+        values.append(step.values)
+        h = step.hidden_out
+    return SuffixOutput(start=start, keys=keys, values=values, logits=final_logits(model, h[-1]))
+
+
+@torch.inference_mode()
+def decode_step(model: Model, token_id: int, cache: KVCache) -> torch.Tensor:
+    """Append one token at position `cache.length`; return its logits `[vocab]`."""
+    shape = model.shape
+    pos = cache.length
+    if pos >= cache.capacity:
+        raise ValueError(f"cache: full at {cache.capacity} positions")
+    h = embed(model, [token_id])  # [1, d]
+    cos, sin = model.rope(torch.tensor([pos], device=model.device))
+    for index, lw in enumerate(model.weights.layers):
+        q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, shape.rms_eps), cos, sin)
+        cache.write(index, pos, k, v)
+        k_all, v_all = cache.layer(index, pos + 1)
+        h = h + F.linear(_attend(q, k_all, v_all, causal=False), lw.wo)
+        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, shape.rms_eps))
+    cache.length = pos + 1
+    return final_logits(model, h[-1])
+
+
+def greedy_generate(model: Model, token_ids: Sequence[int], max_new_tokens: int,
+                    eos_token_id: int | None = None) -> list[int]:
+    """Reference generation: prefill, then greedy decode steps. Returns the new token ids."""
+    out = prefill(model, token_ids, boundaries=())
+    cache = KVCache.from_layers(out.keys, out.values, capacity=len(token_ids) + max_new_tokens)
+    return decode_greedy(model, out.logits, cache, max_new_tokens, eos_token_id)
+
+
+def decode_greedy(model: Model, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
+                  eos_token_id: int | None = None) -> list[int]:
+    """Greedy continuation from the first-token logits of a filled cache."""
+    tokens: list[int] = []
+    logits = first_logits
+    for _ in range(max_new_tokens):
+        token = int(torch.argmax(logits))
+        tokens.append(token)
+        if token == eos_token_id or len(tokens) == max_new_tokens:
+            break
+        logits = decode_step(model, token, cache)
+    return tokens

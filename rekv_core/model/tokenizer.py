@@ -1,0 +1,76 @@
+"""The tokenizer carried inside a GGUF file (GPT-2 style byte-level BPE), built with `tokenizers`.
+
+`GGUFTokenizer.from_gguf(path)` reads the vocabulary, merges, special-token ids and chat template from
+the file's `tokenizer.*` metadata. Control tokens (`<|im_start|>`, ...) encode as single ids. The
+pre-tokenizer follows llama.cpp's `pre` name: `smollm` splits digits one by one before the GPT-2
+byte-level regex; `gpt2`-style files use the byte-level regex alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_CONTROL_TOKEN_TYPE = 3
+_DIGIT_SPLITTING_PRE = {"smollm"}
+
+
+class GGUFTokenizer:
+    def __init__(self, tokenizer, eos_token_id: int | None, bos_token_id: int | None,
+                 chat_template: str | None, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
+        import gguf
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        fields = gguf.GGUFReader(str(path)).fields
+
+        def get(key: str, default=None):
+            return fields[key].contents() if key in fields else default
+
+        model_kind = get("tokenizer.ggml.model")
+        if model_kind != "gpt2":
+            raise ValueError(f"tokenizer.ggml.model: only byte-level BPE ('gpt2') is supported, "
+                             f"got {model_kind!r}")
+        tokens: list[str] = get("tokenizer.ggml.tokens")
+        merges = [tuple(m.split(" ", 1)) for m in get("tokenizer.ggml.merges")]
+        bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges)
+        tokenizer = Tokenizer(bpe)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        if get("tokenizer.ggml.pre") in _DIGIT_SPLITTING_PRE:
+            tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+                [pre_tokenizers.Digits(individual_digits=True), byte_level])
+        else:
+            tokenizer.pre_tokenizer = byte_level
+        tokenizer.decoder = decoders.ByteLevel()
+        token_types = get("tokenizer.ggml.token_type", [])
+        tokenizer.add_special_tokens([AddedToken(tokens[i], special=True)
+                                      for i, kind in enumerate(token_types)
+                                      if kind == _CONTROL_TOKEN_TYPE])
+        return cls(tokenizer, eos_token_id=get("tokenizer.ggml.eos_token_id"),
+                   bos_token_id=get("tokenizer.ggml.bos_token_id"),
+                   chat_template=get("tokenizer.chat_template"), vocab_size=len(tokens))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Apply the file's Jinja chat template to `[{"role": ..., "content": ...}]`."""
+        if not self.chat_template:
+            raise ValueError("chat_template: this GGUF file carries no chat template")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True
+                                                 ).from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt)

@@ -1,0 +1,1 @@
+"""The rekv services (prefill, decode) and the `rekv` command that starts them."""
