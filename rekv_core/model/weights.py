@@ -148,7 +148,9 @@ def shape_from_gguf(reader) -> ModelShape:
         ffn_size=int(_gguf_field(reader, f"{arch}.feed_forward_length")),
         vocab_size=int(_gguf_field(reader, f"{arch}.vocab_size", len(tokens or ()))),
         rope_theta=float(_gguf_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(_gguf_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        # GGUF stores float32: 1e-5 reads back as 9.99999974e-06; keep the value the file meant.
+        rms_eps=float(str(np.float32(_gguf_field(reader,
+                                                  f"{arch}.attention.layer_norm_rms_epsilon")))),
         tie_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
         max_positions=int(_gguf_field(reader, f"{arch}.context_length", 4096)),
     )
