@@ -29,6 +29,18 @@ def _scale_and_codes(x, absmax, QMAX: tl.constexpr, FMAX: tl.constexpr):
 
 
 @triton.jit
+def _to_output(x, dtype: tl.constexpr):
+    """float32 -> output dtype, rounding to nearest-even. BF16 is rounded in integer arithmetic:
+    Triton's interpreter truncates on that cast, while GPUs and torch round to nearest-even."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def _quantize_int8_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, GROUP: tl.constexpr,
                           BLOCK: tl.constexpr, QMAX: tl.constexpr, FMAX: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -66,7 +78,8 @@ def _dequantize_int8_kernel(codes_ptr, scales_ptr, out_ptr, n_groups, GROUP: tl.
     offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     q = tl.load(codes_ptr + offs, mask=row_ok[:, None], other=0).to(tl.float32)
     s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptr + offs, _to_output(q * s[:, None], out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
 
 
 @triton.jit
@@ -82,8 +95,8 @@ def _dequantize_int4_kernel(codes_ptr, scales_ptr, out_ptr, n_groups, GROUP: tl.
     high = ((packed >> 4) - 8).to(tl.float32) * s
     even = rows[:, None] * GROUP + 2 * pairs[None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, low.to(dtype), mask=row_ok[:, None])
-    tl.store(out_ptr + even + 1, high.to(dtype), mask=row_ok[:, None])
+    tl.store(out_ptr + even, _to_output(low, dtype), mask=row_ok[:, None])
+    tl.store(out_ptr + even + 1, _to_output(high, dtype), mask=row_ok[:, None])
 
 
 def _check_input(x: torch.Tensor) -> int:
