@@ -31,21 +31,38 @@ def code_bytes(numel: int, bits: int) -> int:
     return numel * bits // 8
 
 
+# Groups per chunk in the reference: 4096 groups (1 MiB of float32) keep the temporaries in cache;
+# whole-tensor temporaries made a 16 MiB layer 9x slower per byte than a 6 MiB one on a 2-core EPYC.
+CHUNK_GROUPS = 4096
+_HALF = torch.tensor(0.5)
+
+
+def _quantize_groups(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """groups [n, 64] float32 (modified in place) -> (codes int8 [n, 64], scales fp16 [n])."""
+    scales = torch.clamp(groups.abs().amax(dim=1) / qmax, max=FP16_MAX).to(torch.float16)
+    s = scales.to(torch.float32)
+    y = groups.div_(torch.where(s == 0, torch.ones_like(s), s)[:, None])
+    # trunc(y ± 0.5) equals sign(y)·floor(|y| + 0.5) bit for bit: fp32 rounding is symmetric.
+    codes = y.add_(torch.copysign(_HALF.to(y.device), y)).trunc_().clamp_(-qmax, qmax)
+    return codes.to(torch.int8), scales
+
+
 def quantize_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, numel divisible by 64) -> (codes uint8 [numel·bits/8], scales fp16 [numel/64])."""
     qmax = check_bits(bits)
-    groups = x.reshape(-1, GROUP_SIZE).to(torch.float32)
-    absmax = groups.abs().amax(dim=1)
-    scales = torch.clamp(absmax / qmax, max=FP16_MAX).to(torch.float16)
-    s = scales.to(torch.float32)
-    y = groups / torch.where(s == 0, torch.ones_like(s), s)[:, None]
-    codes = torch.clamp(torch.floor(y.abs() + 0.5), max=qmax)
-    codes = torch.where(y < 0, -codes, codes).to(torch.int8)
-    if bits == 8:
-        return codes.reshape(-1).view(torch.uint8), scales
-    nibbles = (codes.to(torch.int16) + 8).reshape(-1, 2)
-    packed = nibbles[:, 0] | (nibbles[:, 1] << 4)
-    return packed.to(torch.uint8), scales
+    flat = x.reshape(-1, GROUP_SIZE)
+    n_groups = flat.shape[0]
+    codes = torch.empty(code_bytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
+    scales = torch.empty(n_groups, dtype=torch.float16, device=x.device)
+    per_group = GROUP_SIZE * bits // 8
+    for start in range(0, n_groups, CHUNK_GROUPS):
+        end = min(start + CHUNK_GROUPS, n_groups)
+        q, scales[start:end] = _quantize_groups(flat[start:end].to(torch.float32, copy=True), qmax)
+        if bits == 4:
+            nibbles = q.add_(8).view(torch.uint8).reshape(-1, 2)
+            q = nibbles[:, 0] | (nibbles[:, 1] << 4)
+        codes[start * per_group:end * per_group] = q.reshape(-1).view(torch.uint8)
+    return codes, scales
 
 
 def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -53,12 +70,18 @@ def unpack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     if bits == 8:
         return codes.view(torch.int8)
-    as_int = codes.to(torch.int16)
-    low, high = (as_int & 0xF) - 8, (as_int >> 4) - 8
-    return torch.stack((low, high), dim=1).reshape(-1).to(torch.int8)
+    nibbles = torch.stack((codes & 0xF, codes >> 4), dim=1).reshape(-1)
+    return nibbles.view(torch.int8) - 8
 
 
 def dequantize_reference(codes: torch.Tensor, scales: torch.Tensor, bits: int,
                          shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    values = unpack_codes(codes, bits).to(torch.float32).reshape(-1, GROUP_SIZE)
-    return (values * scales.to(torch.float32)[:, None]).to(dtype).reshape(shape)
+    check_bits(bits)
+    out = torch.empty(shape, dtype=dtype, device=codes.device).reshape(-1, GROUP_SIZE)
+    per_group = GROUP_SIZE * bits // 8
+    for start in range(0, scales.numel(), CHUNK_GROUPS):
+        end = min(start + CHUNK_GROUPS, scales.numel())
+        values = unpack_codes(codes[start * per_group:end * per_group], bits)
+        values = values.to(torch.float32).reshape(-1, GROUP_SIZE)
+        out[start:end] = values.mul_(scales[start:end].to(torch.float32)[:, None])
+    return out.reshape(shape)
