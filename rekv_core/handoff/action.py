@@ -1,0 +1,120 @@
+"""The handoff action a = (codec b, cut c) and the bytes it puts on the wire.
+
+c is the first recomputed layer (0 ≤ c ≤ L); layers 0..c−1 travel in codec b, layers c..L−1 are
+recomputed on the decode side. The seed's five actions are the cases of that pair:
+
+| kind              | cut         | codec          | sends                                       |
+| ----------------- | ----------- | -------------- | ------------------------------------------- |
+| `bf16_transfer`   | c = L       | bf16           | every layer's KV                            |
+| `quant_transfer`  | c = L       | int8, int4, …  | every layer's KV, quantized                 |
+| `bf16_recompute`  | 0 < c < L   | bf16           | BF16 prefix KV + BF16 boundary h_c (eq. 5)  |
+| `token_recompute` | c = 0       | (none)         | the prompt's token ids, int32               |
+| `joint`           | 0 < c < L   | int8, int4, …  | b-bit prefix KV + BF16 boundary h_c (eq. 7) |
+
+`wire_bytes(action, shape, S)` splits the payload by kind: boundary, prefix (KV data), scales and
+tokens. The boundary always travels in BF16 (2 bytes per element), whatever the working dtype.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from rekv_core.codecs import get_codec
+from rekv_core.model.shapes import ModelShape
+
+TOKEN_BYTES = 4  # token ids travel as int32
+BOUNDARY_ELEM_BYTES = 2  # h_c travels as BF16
+
+
+class ActionKind(str, enum.Enum):
+    BF16_TRANSFER = "bf16_transfer"
+    QUANT_TRANSFER = "quant_transfer"
+    BF16_RECOMPUTE = "bf16_recompute"
+    TOKEN_RECOMPUTE = "token_recompute"
+    JOINT = "joint"
+
+
+@dataclass(frozen=True)
+class Action:
+    codec: str  # the prefix codec b; ignored (and "bf16" by convention) when cut == 0
+    cut: int  # c, the first recomputed layer
+    num_layers: int  # L
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.cut <= self.num_layers:
+            raise ValueError(f"cut: must lie in [0, {self.num_layers}], got {self.cut}")
+        get_codec(self.codec)  # raises ValueError naming the registered codecs
+
+    @classmethod
+    def full_bf16(cls, num_layers: int) -> Action:
+        return cls("bf16", num_layers, num_layers)
+
+    @classmethod
+    def token_only(cls, num_layers: int) -> Action:
+        return cls("bf16", 0, num_layers)
+
+    @property
+    def kind(self) -> ActionKind:
+        if self.cut == 0:
+            return ActionKind.TOKEN_RECOMPUTE
+        bf16 = self.codec == "bf16"
+        if self.cut == self.num_layers:
+            return ActionKind.BF16_TRANSFER if bf16 else ActionKind.QUANT_TRANSFER
+        return ActionKind.BF16_RECOMPUTE if bf16 else ActionKind.JOINT
+
+    @property
+    def sends_boundary(self) -> bool:
+        return 0 < self.cut < self.num_layers
+
+    @property
+    def prefix_layers(self) -> range:
+        return range(self.cut) if self.cut else range(0)
+
+    @property
+    def suffix_layers(self) -> range:
+        return range(self.cut, self.num_layers)
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers})"
+
+
+@dataclass(frozen=True)
+class WireBytes:
+    boundary: int = 0
+    prefix: int = 0  # KV data of the transmitted layers (codes, or BF16 values)
+    scales: int = 0
+    tokens: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.boundary + self.prefix + self.scales + self.tokens
+
+    def __add__(self, other: WireBytes) -> WireBytes:
+        return WireBytes(self.boundary + other.boundary, self.prefix + other.prefix,
+                         self.scales + other.scales, self.tokens + other.tokens)
+
+    def as_dict(self) -> dict[str, int]:
+        return {"boundary": self.boundary, "prefix": self.prefix, "scales": self.scales,
+                "tokens": self.tokens, "total": self.total}
+
+
+def layer_wire_bytes(codec: str, kv_shape: tuple[int, int, int]) -> WireBytes:
+    """One layer's K and V in `codec`, split into data and scales by buffer name."""
+    layout = get_codec(codec).buffer_layout(kv_shape)
+    scales = sum(n for name, n in layout.items() if name.endswith(".scales"))
+    return WireBytes(prefix=sum(layout.values()) - scales, scales=scales)
+
+
+def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
+    """Payload bytes of `action` for a prompt of `seq_len` tokens: eqs. (2), (5) and (7)."""
+    if action.num_layers != shape.num_layers:
+        raise ValueError(f"action: built for {action.num_layers} layers, model {shape.name} has "
+                         f"{shape.num_layers}")
+    if action.cut == 0:
+        return WireBytes(tokens=seq_len * TOKEN_BYTES)
+    per_layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, seq_len, shape.head_dim))
+    total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
+    if action.sends_boundary:
+        total += WireBytes(boundary=shape.boundary_bytes(seq_len, BOUNDARY_ELEM_BYTES))
+    return total

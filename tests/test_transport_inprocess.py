@@ -1,0 +1,116 @@
+"""The in-process link against the transport contract: order, isolation, throttling, faults, and
+no thread or buffer left behind."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from rekv_core.transport import Message, TransportError
+from rekv_core.transport.inprocess import InProcessLink
+
+
+def _msg(request_id, seq, nbytes=16, name=None):
+    return Message(request_id, seq, name or f"m{seq}", b"hdr",
+                   {"data": torch.full((nbytes,), seq % 256, dtype=torch.uint8)})
+
+
+def _no_wire_threads():
+    return not any(t.name == "rekv-inprocess-wire" for t in threading.enumerate())
+
+
+def test_messages_arrive_in_order_as_copies():
+    with InProcessLink() as link:
+        link.receiver.open("a")
+        sent = [_msg("a", i) for i in range(5)]
+        for m in sent:
+            link.sender.send(m)
+        link.sender.flush("a", timeout=5)
+        got = [link.receiver.recv("a", timeout=5) for _ in range(5)]
+        assert [m.seq for m in got] == list(range(5))
+        assert all(torch.equal(g.buffers["data"], s.buffers["data"]) for g, s in zip(got, sent))
+        assert got[0].buffers["data"].data_ptr() != sent[0].buffers["data"].data_ptr()
+        link.receiver.close("a")
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert link.sender.pending() == {"in_flight_messages": 0}
+    assert _no_wire_threads()
+
+
+def test_requests_are_isolated_and_strays_are_dropped():
+    with InProcessLink() as link:
+        link.receiver.open("a")
+        link.sender.send(_msg("b", 0))  # never opened
+        link.sender.send(_msg("a", 0))
+        link.sender.flush("a", timeout=5)
+        link.sender.flush("b", timeout=5)
+        assert link.receiver.recv("a", timeout=5).request_id == "a"
+        assert link.receiver.strays == 1
+        link.receiver.close("a")
+        link.sender.send(_msg("a", 1))  # late message for a closed request
+        link.sender.flush("a", timeout=5)
+        assert link.receiver.strays == 2
+        with pytest.raises(TransportError, match="not open"):
+            link.receiver.recv("a", timeout=0.1)
+
+
+def test_throttle_follows_bandwidth_and_latency():
+    nbytes = 1_000_000  # 8 Mbit at 0.4 Gbit/s: 20 ms on the wire
+    with InProcessLink(bandwidth_gbps=0.4, latency_s=0.03) as link:
+        link.receiver.open("a")
+        start = time.perf_counter()
+        link.sender.send(_msg("a", 0, nbytes))
+        link.receiver.recv("a", timeout=5)
+        elapsed = time.perf_counter() - start
+        assert 0.05 <= elapsed < 0.5, elapsed
+        link.receiver.close("a")
+
+
+def test_timeout_gap_and_duplicate():
+    def drop_second(m):
+        return [] if m.seq == 1 else [m]
+
+    with InProcessLink(fault=drop_second) as link:
+        link.receiver.open("a")
+        with pytest.raises(TimeoutError, match="no message within"):
+            link.receiver.recv("a", timeout=0.05)
+        for i in range(3):
+            link.sender.send(_msg("a", i))
+        link.sender.flush("a", timeout=5)
+        link.receiver.recv("a", timeout=5)
+        with pytest.raises(TransportError, match="expected message 1, got 2.*missing"):
+            link.receiver.recv("a", timeout=5)
+        link.receiver.close("a")
+
+    with InProcessLink(fault=lambda m: [m, m]) as link:
+        link.receiver.open("a")
+        link.sender.send(_msg("a", 0))
+        link.receiver.recv("a", timeout=5)
+        with pytest.raises(TransportError, match="expected message 1, got 0.*repeated"):
+            link.receiver.recv("a", timeout=5)
+        link.receiver.close("a")
+        assert link.receiver.pending()["buffered_messages"] == 0
+    assert _no_wire_threads()
+
+
+def test_close_fails_pending_flushes_and_refuses_sends():
+    link = InProcessLink(bandwidth_gbps=0.001)  # 1 Mbit/s: the message stays on the wire
+    link.receiver.open("a")
+    link.sender.send(_msg("a", 0, 1000))
+    link.sender.send(_msg("a", 1, 1000))
+    with pytest.raises(TimeoutError, match="still on the wire"):
+        link.sender.flush("a", timeout=0.001)
+    link.close()
+    link.close()
+    with pytest.raises(TransportError, match="closed"):
+        link.sender.flush("a", timeout=1)
+    with pytest.raises(TransportError, match="closed"):
+        link.sender.send(_msg("a", 2))
+    assert _no_wire_threads()
+
+
+def test_bad_link_settings():
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        InProcessLink(bandwidth_gbps=0)
+    with pytest.raises(ValueError, match="latency_s"):
+        InProcessLink(latency_s=-1)
