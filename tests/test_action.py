@@ -21,13 +21,15 @@ def test_kinds(codec, cut, kind):
 
 
 def test_seed_byte_values_qwen7b_8k():
-    assert wire_bytes(Action.full_bf16(L), QWEN7B, 8192).total == 448 * MiB
-    assert wire_bytes(Action("int8", L, L), QWEN7B, 8192).total == 231 * MiB
+    assert wire_bytes(Action.full_bf16(L), QWEN7B, 8192).state == 448 * MiB
+    assert wire_bytes(Action("int8", L, L), QWEN7B, 8192).state == 231 * MiB
+    assert wire_bytes(Action.full_bf16(L), QWEN7B, 8192).head == 3584 * 2
     joint = wire_bytes(Action("int8", 15, L), QWEN7B, 8192)
     assert joint.total == 179.75 * MiB
     assert joint.boundary == 56 * MiB and joint.scales == 15 * 8192 * 4 * 128 * 2 // 64 * 2
     assert wire_bytes(Action.token_only(L), QWEN7B, 8192).as_dict() == {
-        "boundary": 0, "prefix": 0, "scales": 0, "tokens": 8192 * 4, "total": 8192 * 4}
+        "boundary": 0, "prefix": 0, "scales": 0, "tokens": 8192 * 4, "head": 0,
+        "total": 8192 * 4}
 
 
 @pytest.mark.parametrize("preset", list(PRESETS))
@@ -46,7 +48,7 @@ def test_eq5_and_eq7_for_every_interior_cut(preset, seq_len):
 
 def test_bf16_cut_saves_bytes_iff_eq6():
     # eq. (6): a BF16 cut saves bytes exactly when r > n_h / (2 n_kv) = 3.5 for Qwen2.5-7B
-    full = wire_bytes(Action.full_bf16(L), QWEN7B, 1024).total
+    full = wire_bytes(Action.full_bf16(L), QWEN7B, 1024).state
     for r in range(1, L):
         saves = wire_bytes(Action("bf16", L - r, L), QWEN7B, 1024).total < full
         assert saves == (r > 3.5)

@@ -11,8 +11,11 @@ recomputed on the decode side. The seed's five actions are the cases of that pai
 | `token_recompute` | c = 0       | (none)         | the prompt's token ids, int32               |
 | `joint`           | 0 < c < L   | int8, int4, …  | b-bit prefix KV + BF16 boundary h_c (eq. 7) |
 
-`wire_bytes(action, shape, S)` splits the payload by kind: boundary, prefix (KV data), scales and
-tokens. The boundary always travels in BF16 (2 bytes per element), whatever the working dtype.
+`wire_bytes(action, shape, S)` splits the payload by kind: boundary, prefix (KV data), scales,
+tokens and head. The boundary always travels in BF16 (2 bytes per element), whatever the working
+dtype. Transfer-only actions also send `head`, the last position's final hidden state (d BF16
+values), from which the decode side computes the first-token logits, as a P/D prefill returns its
+first token; the seed's byte figures count only `state` = boundary + prefix + scales.
 """
 
 from __future__ import annotations
@@ -85,18 +88,25 @@ class WireBytes:
     prefix: int = 0  # KV data of the transmitted layers (codes, or BF16 values)
     scales: int = 0
     tokens: int = 0
+    head: int = 0  # transfer-only: the last position's final hidden state, for the first logits
 
     @property
     def total(self) -> int:
-        return self.boundary + self.prefix + self.scales + self.tokens
+        return self.boundary + self.prefix + self.scales + self.tokens + self.head
+
+    @property
+    def state(self) -> int:
+        """The seed's payload: KV (with scales) plus boundary, without tokens or head."""
+        return self.boundary + self.prefix + self.scales
 
     def __add__(self, other: WireBytes) -> WireBytes:
         return WireBytes(self.boundary + other.boundary, self.prefix + other.prefix,
-                         self.scales + other.scales, self.tokens + other.tokens)
+                         self.scales + other.scales, self.tokens + other.tokens,
+                         self.head + other.head)
 
     def as_dict(self) -> dict[str, int]:
         return {"boundary": self.boundary, "prefix": self.prefix, "scales": self.scales,
-                "tokens": self.tokens, "total": self.total}
+                "tokens": self.tokens, "head": self.head, "total": self.total}
 
 
 def layer_wire_bytes(codec: str, kv_shape: tuple[int, int, int]) -> WireBytes:
@@ -117,4 +127,6 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:
         total += WireBytes(boundary=shape.boundary_bytes(seq_len, BOUNDARY_ELEM_BYTES))
+    else:
+        total += WireBytes(head=shape.hidden_size * BOUNDARY_ELEM_BYTES)
     return total

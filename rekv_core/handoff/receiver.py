@@ -1,0 +1,160 @@
+"""The decode side of a handoff: rebuild the complete cache and the first-token logits.
+
+`receive_handoff(model, transport, request_id, schedule)` reads one handoff (see `wire`) from an
+opened request and always closes it, success or not. Schedules:
+
+- `overlap` (eq. 9): as soon as h_c arrives, layers c..L−1 run on this thread while a second
+  thread receives and decodes the prefix layers into the cache; both join before the result.
+- `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
+
+Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
+`head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
+returned. The result carries the timing breakdown (seconds; H: until the boundary or first layer is
+in, X: prefix transfer and restore, R: suffix, J: join, total) and the bytes received by kind.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rekv_core.codecs import EncodedKV, get_codec
+from rekv_core.handoff.action import Action, WireBytes
+from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
+from rekv_core.model.cache import KVCache
+from rekv_core.model.executor import Model, final_logits, prefill, run_layers
+from rekv_core.transport import TransportError, TransportReceiver
+
+SCHEDULES = ("overlap", "sequential")
+
+
+@dataclass
+class HandoffResult:
+    action: Action
+    cache: KVCache
+    logits: torch.Tensor  # [vocab], float32: the first generated token's distribution
+    timings: dict[str, float] = field(default_factory=dict)  # H, X, R, J, total (seconds)
+    bytes: WireBytes = field(default_factory=WireBytes)
+
+
+def _expect(transport: TransportReceiver, request_id: str, name: str, timeout: float):
+    message = transport.recv(request_id, timeout)
+    if message.name != name:
+        raise TransportError(f"request {request_id}: expected {name!r}, got {message.name!r}")
+    return message
+
+
+def _bf16_tensor(message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    buf = message.buffers.get("h")
+    expected = int(torch.Size(shape).numel()) * 2
+    if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
+        got = None if buf is None else buf.numel()
+        raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
+    return buf.view(torch.bfloat16).reshape(shape).to(dtype)
+
+
+def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
+                    schedule: str = "overlap", timeout: float = 30.0,
+                    extra_capacity: int = 0) -> HandoffResult:
+    start = time.perf_counter()
+    try:
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
+        return _receive(model, transport, request_id, schedule, timeout, extra_capacity, start)
+    finally:
+        transport.close(request_id)
+
+
+def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start):
+    shape = model.shape
+    plan = Plan.from_bytes(_expect(transport, request_id, PLAN, timeout).header)
+    plan.check_model(shape)
+    action = plan.action
+    S = plan.seq_len
+    received = WireBytes()
+
+    if action.cut == 0:
+        message = _expect(transport, request_id, TOKENS, timeout)
+        ids = message.buffers["ids"].view(torch.int32).tolist()
+        if len(ids) != S:
+            raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
+        h_time = time.perf_counter()
+        out = prefill(model, ids, boundaries=())
+        cache = KVCache.from_layers(out.keys, out.values, S + extra_capacity)
+        done = time.perf_counter()
+        return HandoffResult(action, cache, out.logits,
+                             {"H": h_time - start, "X": 0.0, "R": done - h_time, "J": 0.0,
+                              "total": done - start}, WireBytes(tokens=S * 4))
+
+    cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, S + extra_capacity,
+                    model.dtype, model.device)
+    h_c = None
+    if action.sends_boundary:
+        h_c = _bf16_tensor(_expect(transport, request_id, BOUNDARY, timeout),
+                           (S, shape.hidden_size), model.dtype)
+        received += WireBytes(boundary=S * shape.hidden_size * 2)
+    boundary_at = time.perf_counter()
+    codec = get_codec(action.codec)
+    kv_shape = (shape.num_kv_heads, S, shape.head_dim)
+    prefix = {"bytes": WireBytes(), "error": None, "done": boundary_at}
+
+    def receive_prefix() -> None:
+        try:
+            for index in action.prefix_layers:
+                message = _expect(transport, request_id, layer_name(index), timeout)
+                encoded = EncodedKV.from_wire(message.header, message.buffers)
+                if tuple(encoded.shape) != kv_shape:
+                    raise TransportError(f"{message.name}: shape {encoded.shape}, "
+                                         f"expected {kv_shape}")
+                k, v = codec.decode(encoded)
+                cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
+                for name, buf in encoded.buffers.items():
+                    prefix["bytes"] += WireBytes(scales=buf.numel()) \
+                        if name.endswith(".scales") else WireBytes(prefix=buf.numel())
+        except BaseException as exc:  # re-raised on the calling thread after the join
+            prefix["error"] = exc
+        prefix["done"] = time.perf_counter()
+
+    def run_suffix():
+        began = time.perf_counter()
+        suffix = run_layers(model, h_c, start=action.cut)
+        for offset, (k, v) in enumerate(zip(suffix.keys, suffix.values)):
+            cache.write(action.cut + offset, 0, k, v)
+        return suffix.logits, began, time.perf_counter()
+
+    if h_c is None:  # transfer-only: nothing to recompute
+        receive_prefix()
+        suffix_result = None
+    elif schedule == "overlap":
+        worker = threading.Thread(target=receive_prefix, name=f"rekv-prefix-{request_id}")
+        worker.start()
+        try:
+            suffix_result = run_suffix()
+        finally:
+            worker.join()
+    else:
+        receive_prefix()
+        suffix_result = run_suffix() if prefix["error"] is None else None
+    if prefix["error"] is not None:
+        raise prefix["error"]
+
+    join_start = max(prefix["done"], suffix_result[2] if suffix_result else 0.0)
+    if suffix_result is None:
+        head = _bf16_tensor(_expect(transport, request_id, HEAD, timeout),
+                            (shape.hidden_size,), model.dtype)
+        received += WireBytes(head=shape.hidden_size * 2)
+        logits = final_logits(model, head)
+        r_seconds = 0.0
+    else:
+        logits, began, ended = suffix_result
+        r_seconds = ended - began
+    cache.length = S
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    done = time.perf_counter()
+    timings = {"H": boundary_at - start, "X": prefix["done"] - boundary_at, "R": r_seconds,
+               "J": done - join_start, "total": done - start}
+    return HandoffResult(action, cache, logits, timings, received + prefix["bytes"])

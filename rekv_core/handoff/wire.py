@@ -1,0 +1,64 @@
+"""Message names and the plan header of one handoff on the transport.
+
+A handoff is, in sequence order: `plan` (JSON header: action, prompt length, model dimensions);
+then `tokens` (token-only), or `boundary` (h_c, BF16) for an interior cut, or nothing extra for
+transfer-only; then `layer.0` … `layer.{c-1}` (an encoded layer each: codec header + buffers); and
+last, for transfer-only, `head` (the final hidden state of the last position, BF16).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rekv_core.handoff.action import Action
+from rekv_core.model.shapes import ModelShape
+
+PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
+
+
+def layer_name(index: int) -> str:
+    return f"layer.{index}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    codec: str
+    cut: int
+    num_layers: int
+    seq_len: int
+    hidden_size: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, action: Action, shape: ModelShape, seq_len: int) -> Plan:
+        return cls(action.codec, action.cut, action.num_layers, seq_len, shape.hidden_size,
+                   shape.num_kv_heads, shape.head_dim)
+
+    @property
+    def action(self) -> Action:
+        return Action(self.codec, self.cut, self.num_layers)
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> Plan:
+        try:
+            return cls(**json.loads(raw))
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"plan: unreadable header ({exc})") from exc
+
+    def check_model(self, shape: ModelShape) -> None:
+        mine = (self.num_layers, self.hidden_size, self.num_kv_heads, self.head_dim)
+        theirs = (shape.num_layers, shape.hidden_size, shape.num_kv_heads, shape.head_dim)
+        if mine != theirs:
+            raise ValueError(f"plan: sender's model (L, d, n_kv, d_h) = {mine} differs from the "
+                             f"receiver's {theirs}")
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)

@@ -1,0 +1,118 @@
+"""The in-process handoff end to end: every action rebuilds the sender's cache (bit-exact where it
+is BF16 or recomputed, within the quantizer's bound otherwise), counts the bytes of the byte model,
+and fails loudly on a broken stream without leaving threads or buffers behind."""
+
+import threading
+
+import pytest
+import torch
+
+from rekv_core.handoff import Action, ActionKind, receive_handoff, send_handoff, wire_bytes
+from rekv_core.model import prefill
+from rekv_core.transport import TransportError
+from rekv_core.transport.inprocess import InProcessLink
+
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
+
+
+def _actions(L):
+    return [Action.full_bf16(L), Action("int8", L, L), Action("int4", L, L),
+            Action("bf16", 11, L), Action.token_only(L), Action("int8", 11, L),
+            Action("int8", 1, L), Action("int4", L - 1, L)]
+
+
+def _handoff(model, ids, action, schedule="overlap", fault=None, request_id="r1", timeout=30.0):
+    state = prefill(model, ids)
+    with InProcessLink(fault=fault) as link:
+        link.receiver.open(request_id)
+        errors = []
+
+        def send():
+            try:
+                send_handoff(link.sender, request_id, action, model.shape, ids, state)
+            except Exception as exc:  # noqa: BLE001 - surfaced by the test
+                errors.append(exc)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            result = receive_handoff(model, link.receiver, request_id, schedule, timeout=timeout)
+        finally:
+            sender.join()
+            assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+    return state, result, errors
+
+
+@pytest.mark.parametrize("schedule", ["overlap", "sequential"])
+def test_every_action_rebuilds_the_cache(smollm_bf16, tokenizer, schedule):
+    model = smollm_bf16
+    ids = tokenizer.encode(PROMPT)
+    L = model.shape.num_layers
+    for action in _actions(L):
+        state, result, errors = _handoff(model, ids, action, schedule)
+        assert not errors
+        assert result.bytes == wire_bytes(action, model.shape, len(ids)), str(action)
+        assert result.cache.length == len(ids)
+        for layer in range(L):
+            k, v = result.cache.layer(layer)
+            exact = layer >= action.cut or action.codec == "bf16" or action.cut == 0
+            if exact:
+                assert torch.equal(k, state.keys[layer]), f"{action}: K of layer {layer}"
+                assert torch.equal(v, state.values[layer]), f"{action}: V of layer {layer}"
+            else:
+                qmax = 127 if action.codec == "int8" else 7
+                for got, ref in ((k, state.keys[layer]), (v, state.values[layer])):
+                    step = ref.float().reshape(-1, 64).abs().amax(1, keepdim=True) / qmax
+                    err = (got.float() - ref.float()).reshape(-1, 64).abs()
+                    assert (err <= step / 2 + got.float().abs().reshape(-1, 64) / 256).all()
+        if action.kind in (ActionKind.BF16_TRANSFER, ActionKind.BF16_RECOMPUTE,
+                           ActionKind.TOKEN_RECOMPUTE):
+            assert torch.equal(result.logits, state.logits), str(action)
+        if action.kind is ActionKind.JOINT and action.codec == "int8":
+            assert result.logits.argmax() == state.logits.argmax(), str(action)
+        assert set(result.timings) == {"H", "X", "R", "J", "total"}
+
+
+def _fault(kind):
+    def apply(message):
+        if message.name != "layer.3":
+            return [message]
+        if kind == "drop":
+            return []
+        if kind == "duplicate":
+            return [message, message]
+        if kind == "truncate":
+            name = next(iter(message.buffers))
+            message.buffers[name] = message.buffers[name][:-1]
+            return [message]
+        if kind == "corrupt":
+            name = next(iter(message.buffers))
+            message.buffers[name][0] ^= 0x40
+            return [message]
+        if kind == "misroute":
+            message.request_id = "someone-else"
+            return [message]
+        raise AssertionError(kind)
+    return apply
+
+
+@pytest.mark.parametrize("kind, error", [
+    ("drop", (TransportError, TimeoutError)), ("duplicate", TransportError),
+    ("truncate", ValueError), ("corrupt", ValueError), ("misroute", (TransportError, TimeoutError)),
+])
+def test_broken_streams_fail_without_a_cache(smollm_bf16, kind, error):
+    before = {t.name for t in threading.enumerate()}
+    L = smollm_bf16.shape.num_layers
+    with pytest.raises(error):
+        _handoff(smollm_bf16, list(range(1, 40)), Action("int8", 12, L), fault=_fault(kind),
+                 timeout=2.0)
+    leftover = {t.name for t in threading.enumerate()} - before
+    assert not leftover, leftover
+
+
+def test_bad_schedule_is_named(smollm_bf16):
+    with InProcessLink() as link:
+        link.receiver.open("x")
+        with pytest.raises(ValueError, match="schedule"):
+            receive_handoff(smollm_bf16, link.receiver, "x", schedule="parallel")
+        assert link.receiver.pending()["open_requests"] == 0
