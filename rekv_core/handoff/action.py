@@ -109,11 +109,15 @@ class WireBytes:
                 "tokens": self.tokens, "head": self.head, "total": self.total}
 
 
+def split_layer_bytes(sizes: dict[str, int]) -> WireBytes:
+    """Bytes of one encoded layer's buffers (name -> bytes), split into data and scales by name."""
+    scales = sum(n for name, n in sizes.items() if name.endswith(".scales"))
+    return WireBytes(prefix=sum(sizes.values()) - scales, scales=scales)
+
+
 def layer_wire_bytes(codec: str, kv_shape: tuple[int, int, int]) -> WireBytes:
-    """One layer's K and V in `codec`, split into data and scales by buffer name."""
-    layout = get_codec(codec).buffer_layout(kv_shape)
-    scales = sum(n for name, n in layout.items() if name.endswith(".scales"))
-    return WireBytes(prefix=sum(layout.values()) - scales, scales=scales)
+    """One layer's K and V in `codec`."""
+    return split_layer_bytes(get_codec(codec).buffer_layout(kv_shape))
 
 
 def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:

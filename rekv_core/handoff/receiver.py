@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rekv_core.codecs import EncodedKV, get_codec
-from rekv_core.handoff.action import Action, WireBytes
+from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers
@@ -111,9 +111,7 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
                                          f"expected {kv_shape}")
                 k, v = codec.decode(encoded)
                 cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
-                for name, buf in encoded.buffers.items():
-                    prefix["bytes"] += WireBytes(scales=buf.numel()) \
-                        if name.endswith(".scales") else WireBytes(prefix=buf.numel())
+                prefix["bytes"] += split_layer_bytes(encoded.header()["buffers"])
         except BaseException as exc:  # re-raised on the calling thread after the join
             prefix["error"] = exc
         prefix["done"] = time.perf_counter()

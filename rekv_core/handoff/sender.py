@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff.action import Action, WireBytes
+from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name, tensor_bytes
 from rekv_core.model.executor import PrefillOutput
 from rekv_core.model.shapes import ModelShape
@@ -60,9 +60,7 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
         encoded = codec.encode(state.keys[index], state.values[index])
         quantize += time.perf_counter() - start
         send(layer_name(index), encoded.header_bytes(), encoded.buffers)
-        for name, buf in encoded.buffers.items():
-            sent += WireBytes(scales=buf.numel()) if name.endswith(".scales") \
-                else WireBytes(prefix=buf.numel())
+        sent += split_layer_bytes(encoded.header()["buffers"])
 
     if action.cut == action.num_layers:
         head = state.hidden[action.num_layers][-1].to(torch.bfloat16)
