@@ -1,8 +1,16 @@
 """Runtime settings, read from the environment in one place and validated once.
 
-`RuntimeSettings.from_env(**overrides)` reads `REKV_MODEL`, `REKV_DEVICE` and `REKV_DTYPE`; explicit
-overrides (from command-line flags) win over the environment. BF16 is the only dtype on CUDA; the
-CPU runs float32 (default there) or BF16.
+`RuntimeSettings.from_env(**overrides)` reads `REKV_MODEL`, `REKV_DEVICE`, `REKV_DTYPE` and
+`REKV_TORCH_THREADS`; explicit overrides (from command-line flags) win over the environment. BF16 is
+the only dtype on CUDA; the CPU runs float32 (default there) or BF16.
+
+CPU threads: a handoff runs two branches at once, the suffix compute and the prefix receive and
+decode. The compute branch is the expensive one, so `apply_threads()` gives torch's intra-op pool
+every core this process may use (`torch_threads = 0`); the prefix branch dequantizes one layer
+(well under a millisecond at 2K tokens on this model) between waits on the wire and takes its cycles
+from that pool. Reserving a core for it instead would halve the suffix's speed on a 2-core machine;
+`rekv bench handoff` reports the measured cost of the sharing (suffix seconds per layer alone and
+while the prefix branch runs).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ class RuntimeSettings:
     model: str = "smollm2-135m"  # a preset with weights, synthetic:<preset>, a .gguf or a directory
     device: str = "cpu"  # cpu, cuda or cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    torch_threads: int = 0  # torch intra-op threads on the CPU; 0: every usable core
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda" or
@@ -29,16 +38,39 @@ class RuntimeSettings:
             raise ValueError(f"dtype: must be one of auto, {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.device.startswith("cuda") and self.dtype == "float32":
             raise ValueError("dtype: CUDA runs bfloat16 only, got float32")
+        if self.torch_threads < 0:
+            raise ValueError(f"torch_threads: must be >= 0, got {self.torch_threads}")
 
     @classmethod
     def from_env(cls, **overrides: str | None) -> RuntimeSettings:
         values = {"model": os.environ.get("REKV_MODEL"), "device": os.environ.get("REKV_DEVICE"),
-                  "dtype": os.environ.get("REKV_DTYPE")}
+                  "dtype": os.environ.get("REKV_DTYPE"),
+                  "torch_threads": os.environ.get("REKV_TORCH_THREADS")}
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values["torch_threads"], str):
+            try:
+                values["torch_threads"] = int(values["torch_threads"])
+            except ValueError:
+                raise ValueError(f"torch_threads: must be an integer, got "
+                                 f"{values['torch_threads']!r}") from None
         return cls(**{k: v for k, v in values.items() if v is not None})
+
+    def apply_threads(self) -> int:
+        """Set torch's intra-op thread count; returns it."""
+        threads = self.torch_threads or usable_cores()
+        torch.set_num_threads(threads)
+        return threads
 
     @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return DTYPES[self.dtype]
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which containers narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1

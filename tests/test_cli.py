@@ -35,14 +35,26 @@ def test_codecs_bad_arguments_are_named():
     assert result.returncode == 2 and "prompt_len" in result.stderr
 
 
-def test_demo_generates_and_writes_json(tmp_path):
+def test_demo_runs_both_services_and_stops_them(tmp_path):
     out = tmp_path / "demo.json"
-    result = _rekv("demo", "--max-new-tokens", "8", "--json", str(out))
-    assert result.returncode == 0, result.stderr
+    result = _rekv("demo", "--filler", "0,8", "--max-new-tokens", "6", "--log-dir",
+                   str(tmp_path / "logs"), "--json", str(out))
+    assert result.returncode == 0, result.stderr + result.stdout
+    assert "prefill exit 0, decode exit 0" in result.stdout
     report = json.loads(out.read_text())
-    france = report["generations"][0]
-    assert france["prompt"] == "The capital of France is"
-    assert "Paris" in france["output_text"]
-    codecs = {r["codec"]: r for r in report["codec_roundtrip"]}
-    assert codecs["int8"]["bytes"] < codecs["bf16"]["bytes"] / 1.9
-    assert codecs["int4"]["max_abs_error"] > codecs["int8"]["max_abs_error"]
+    assert report["exit_codes"] == {"prefill": 0, "decode": 0}
+    assert [r["prompt_tokens"] for r in report["requests"]][0] < report["requests"][1][
+        "prompt_tokens"]
+    for row in report["requests"]:
+        assert row["bf16"]["action"] == "bf16_transfer" and row["bf16"]["passkey_found"]
+        assert row["planned"]["handoff_ms"] > 0 and not row["planned"]["fallback"]
+    assert "request=demo-0-planned" in (tmp_path / "logs" / "decode.log").read_text()
+
+
+def test_serve_rejects_bad_settings_by_name():
+    result = _rekv("serve", "decode", "--max-new-tokens", "0", "--prefill-address", "x:1")
+    assert result.returncode == 2 and "max_new_tokens" in result.stderr
+    result = _rekv("serve", "decode")
+    assert result.returncode == 2 and "prefill_address" in result.stderr
+    result = _rekv("serve", "prefill", "--codecs", "int3")
+    assert result.returncode == 2 and "codecs" in result.stderr

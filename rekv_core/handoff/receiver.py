@@ -1,10 +1,12 @@
 """The decode side of a handoff: rebuild the complete cache and the first-token logits.
 
 `receive_handoff(model, transport, request_id, schedule)` reads one handoff (see `wire`) from an
-opened request and always closes it, success or not. Schedules:
+opened request and always ends it: `close` after success, `abort` after any failure. Schedules:
 
 - `overlap` (eq. 9): as soon as h_c arrives, layers c..L−1 run on this thread while a second
-  thread receives and decodes the prefix layers into the cache; both join before the result.
+  thread receives and decodes the prefix layers into the cache; both join before the result. On
+  CUDA the prefix thread copies and dequantizes on its own stream, and the join makes the compute
+  stream wait on that stream's event, so the two paths overlap on the device as well.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
 Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
@@ -15,6 +17,7 @@ in, X: prefix transfer and restore, R: suffix, J: join, total) and the bytes rec
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -47,13 +50,17 @@ def _expect(transport: TransportReceiver, request_id: str, name: str, timeout: f
     return message
 
 
-def _bf16_tensor(message, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _bf16_tensor(message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
     buf = message.buffers.get("h")
     expected = int(torch.Size(shape).numel()) * 2
     if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
         got = None if buf is None else buf.numel()
         raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
-    return buf.view(torch.bfloat16).reshape(shape).to(dtype)
+    return buf.view(torch.bfloat16).reshape(shape).to(model.device, model.dtype)
+
+
+def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {name: b.to(device, non_blocking=True) for name, b in buffers.items()}
 
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
@@ -63,9 +70,12 @@ def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
     try:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
-        return _receive(model, transport, request_id, schedule, timeout, extra_capacity, start)
-    finally:
-        transport.close(request_id)
+        result = _receive(model, transport, request_id, schedule, timeout, extra_capacity, start)
+    except BaseException:
+        transport.abort(request_id)
+        raise
+    transport.close(request_id)
+    return result
 
 
 def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start):
@@ -94,33 +104,46 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
     h_c = None
     if action.sends_boundary:
         h_c = _bf16_tensor(_expect(transport, request_id, BOUNDARY, timeout),
-                           (S, shape.hidden_size), model.dtype)
+                           (S, shape.hidden_size), model)
         received += WireBytes(boundary=S * shape.hidden_size * 2)
     boundary_at = time.perf_counter()
     codec = get_codec(action.codec)
     kv_shape = (shape.num_kv_heads, S, shape.head_dim)
     prefix = {"bytes": WireBytes(), "error": None, "done": boundary_at}
+    cuda = model.device.type == "cuda"
+    side_stream = torch.cuda.Stream(model.device) if cuda else None
+    prefix_ready = torch.cuda.Event() if cuda else None
 
     def receive_prefix() -> None:
         try:
-            for index in action.prefix_layers:
-                message = _expect(transport, request_id, layer_name(index), timeout)
-                encoded = EncodedKV.from_wire(message.header, message.buffers)
-                if tuple(encoded.shape) != kv_shape:
-                    raise TransportError(f"{message.name}: shape {encoded.shape}, "
-                                         f"expected {kv_shape}")
-                k, v = codec.decode(encoded)
-                cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
-                prefix["bytes"] += split_layer_bytes(encoded.header()["buffers"])
+            with torch.cuda.stream(side_stream) if cuda else contextlib.nullcontext():
+                _receive_prefix_layers()
+                if cuda:
+                    prefix_ready.record(side_stream)
+                    side_stream.synchronize()
         except BaseException as exc:  # re-raised on the calling thread after the join
             prefix["error"] = exc
         prefix["done"] = time.perf_counter()
+
+    def _receive_prefix_layers() -> None:
+        for index in action.prefix_layers:
+            message = _expect(transport, request_id, layer_name(index), timeout)
+            encoded = EncodedKV.from_wire(message.header,
+                                          _on_device(message.buffers, model.device))
+            if tuple(encoded.shape) != kv_shape:
+                raise TransportError(f"{message.name}: shape {encoded.shape}, "
+                                     f"expected {kv_shape}")
+            k, v = codec.decode(encoded)
+            cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
+            prefix["bytes"] += split_layer_bytes(encoded.header()["buffers"])
 
     def run_suffix():
         began = time.perf_counter()
         suffix = run_layers(model, h_c, start=action.cut)
         for offset, (k, v) in enumerate(zip(suffix.keys, suffix.values)):
             cache.write(action.cut + offset, 0, k, v)
+        if cuda:
+            torch.cuda.current_stream(model.device).synchronize()
         return suffix.logits, began, time.perf_counter()
 
     if h_c is None:  # transfer-only: nothing to recompute
@@ -142,7 +165,7 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
     join_start = max(prefix["done"], suffix_result[2] if suffix_result else 0.0)
     if suffix_result is None:
         head = _bf16_tensor(_expect(transport, request_id, HEAD, timeout),
-                            (shape.hidden_size,), model.dtype)
+                            (shape.hidden_size,), model)
         received += WireBytes(head=shape.hidden_size * 2)
         logits = final_logits(model, head)
         r_seconds = 0.0
@@ -150,8 +173,9 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
         logits, began, ended = suffix_result
         r_seconds = ended - began
     cache.length = S
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
+    if cuda:
+        torch.cuda.current_stream(model.device).wait_event(prefix_ready)
+        torch.cuda.current_stream(model.device).synchronize()
     done = time.perf_counter()
     timings = {"H": boundary_at - start, "X": prefix["done"] - boundary_at, "R": r_seconds,
                "J": done - join_start, "total": done - start}

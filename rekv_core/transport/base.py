@@ -7,8 +7,10 @@ named 1-D uint8 buffers. The transport moves bytes and knows nothing of models o
 Which side calls what:
 
 - receiver (decode side): `open(request_id)` before the sender may send for that request; then
-  `recv(request_id, timeout)` returns that request's messages one by one in sequence order; and
-  `close(request_id)` when done or abandoned, which frees everything buffered for it. Messages for a
+  `recv(request_id, timeout)` returns that request's messages one by one in sequence order; then
+  `close(request_id)` when every message was received, or `abort(request_id)` when the request is
+  abandoned early (error, timeout, cancel), which also wakes a `recv` waiting on it and discards
+  whatever the sender still sends for it. Both free everything buffered for the request. Messages for a
   request that is not open (never opened, or closed) are dropped and counted in `strays`; they can
   never reach another request. A gap or a repeated sequence number raises `TransportError`; no
   message within `timeout` seconds raises `TimeoutError`. `close()` may be called twice.
@@ -71,6 +73,10 @@ class TransportReceiver(ABC):
 
     @abstractmethod
     def close(self, request_id: str) -> None: ...
+
+    def abort(self, request_id: str) -> None:
+        """Abandon the request early; transports that buffer nothing further just close."""
+        self.close(request_id)
 
     @abstractmethod
     def pending(self) -> dict[str, int]: ...

@@ -1,0 +1,1 @@
+"""Benchmark runners behind `rekv bench …`; their results are committed under `bench/results/`."""

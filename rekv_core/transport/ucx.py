@@ -1,0 +1,342 @@
+"""The UCX transport (through `ucxx`): the contract of `base`, between processes and machines.
+
+The decode side runs a `UcxReceiver`, which listens on a host:port (its `address`); the prefill side
+runs a `UcxSender`, which keeps one UCX endpoint per receiver address, made on first use and reused
+by every later request. Both drive UCX from one `UcxEngine`: a thread with its own asyncio loop, so
+the blocking `send/recv/flush` of the contract can be called from any thread, including handoff
+threads and a gRPC server's event loop (through `asyncio.to_thread`).
+
+On the wire every message is tagged, not merely ordered: part p of message seq of request r travels
+under the 64-bit UCX tag `H(r) << 16 | seq << 4 | p`, where H is a 48-bit BLAKE2 hash of the
+request id. Part 0 is a small frame (length-prefixed JSON: name, header, buffer names, sizes and
+memory kinds); parts 1..15 are the buffers, sent from where they live: device memory for CUDA
+tensors (GPU to GPU where UCX has CUDA transports), host memory otherwise. The receiver posts a
+receive for exactly the tag it expects next, into a buffer of the announced size, so a message of
+another request, or a late message of a closed one, can never be received into this request.
+Request ids must be unique per transfer (the services add a nonce to each request's id).
+
+A request aborted before its last message (timeout, error, cancelled request) is drained: for
+`drain_seconds` the receiver takes and discards that request's remaining messages, in order, so the
+sender's pending sends complete and UCX holds no unexpected data for it; they count as `strays`.
+Messages for a request that is never opened are never received: a large one (UCX rendezvous) makes
+the sender's `flush` time out, a small one (eager) stays in UCX's unexpected queue until the worker
+closes. The services only send for requests the decode side has opened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Coroutine
+
+import torch
+
+from rekv_core.transport.base import Message, TransportError, TransportReceiver, TransportSender
+
+MAX_FRAME = 1 << 16  # bytes of part 0 of a message
+MAX_BUFFERS = 15
+MAX_SEQ = (1 << 12) - 1
+
+
+def message_tag(request_id: str, seq: int, part: int) -> int:
+    if not 0 <= seq <= MAX_SEQ:
+        raise TransportError(f"request {request_id}: message {seq} beyond {MAX_SEQ} per request")
+    digest = hashlib.blake2b(request_id.encode(), digest_size=6).digest()
+    return int.from_bytes(digest, "big") << 16 | seq << 4 | part
+
+
+def _encode_frame(message: Message) -> bytes:
+    meta = {"request_id": message.request_id, "seq": message.seq, "name": message.name,
+            "header": message.header.decode("latin-1"),
+            "buffers": [[name, int(buf.numel()), buf.device.type]
+                        for name, buf in message.buffers.items()]}
+    body = json.dumps(meta).encode()
+    frame = struct.pack("<I", len(body)) + body
+    if len(frame) > MAX_FRAME:
+        raise TransportError(f"{message.name}: frame of {len(frame)} bytes exceeds {MAX_FRAME}")
+    return frame
+
+
+def _decode_frame(raw: torch.Tensor) -> dict:
+    data = raw.numpy().tobytes()
+    (length,) = struct.unpack_from("<I", data)
+    if length + 4 > len(data):
+        raise TransportError(f"frame: announces {length} bytes, holds {len(data) - 4}")
+    return json.loads(data[4:4 + length])
+
+
+def _wire_view(buffer: torch.Tensor):
+    """What ucxx sends from: the numpy view of a host tensor, the CUDA tensor itself."""
+    buffer = buffer.contiguous()
+    return buffer if buffer.is_cuda else buffer.numpy()
+
+
+class UcxEngine:
+    """A thread running an asyncio loop that owns every UCX call of this process."""
+
+    def __init__(self):
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx  # noqa: F401  (fail here, clearly, when ucxx is missing)
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="rekv-ucx",
+                                        daemon=True)
+        self._thread.start()
+        self._closed = False
+
+    def submit(self, coro: Coroutine):
+        if self._closed:
+            coro.close()
+            raise TransportError("ucx engine: closed")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, coro: Coroutine, timeout: float | None = None):
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop():
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def _context():
+    from ucxx import core
+
+    return core._get_ctx()
+
+
+async def _recv_tag(buffer, tag: int) -> None:
+    await _context().recv(buffer, tag)
+
+
+async def _take_frame(tag: int) -> torch.Tensor:
+    """Wait for the message under `tag` and receive it whole. Probing first (rather than posting a
+    receive) leaves nothing posted in UCX when the wait is cancelled by a timeout."""
+    context = _context()
+    delay = 0.0002
+    while True:
+        probe = context.tag_probe(tag, remove=True)
+        if probe.matched:
+            frame = torch.empty(probe.length, dtype=torch.uint8)
+            await context.recv_with_handle(frame.numpy(), probe)
+            return frame
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.002)
+
+
+class UcxReceiver(TransportReceiver):
+    """Decode side. `address` is what the prefill side must be told (host:port)."""
+
+    def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
+                 device: torch.device | str = "cpu", drain_seconds: float = 5.0):
+        self._engine = engine
+        self._device = torch.device(device)
+        self.drain_seconds = drain_seconds
+        self._endpoints: list = []
+        self._lock = threading.Lock()
+        self._next_seq: dict[str, int] = {}
+        self._draining: set[str] = set()
+        self._waiting: dict[str, concurrent.futures.Future] = {}
+        self.strays = 0
+        self._listener = engine.call(self._listen(port))
+        self.address = f"{host}:{self._listener.port}"
+
+    async def _listen(self, port: int):
+        import ucxx
+
+        async def on_connect(endpoint) -> None:
+            self._endpoints.append(endpoint)  # kept alive; the peer reuses it for every request
+
+        return ucxx.create_listener(on_connect, port=port)
+
+    def open(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._next_seq or request_id in self._draining:
+                raise TransportError(f"request {request_id}: already open")
+            self._next_seq[request_id] = 0
+
+    def recv(self, request_id: str, timeout: float) -> Message:
+        with self._lock:
+            if request_id not in self._next_seq:
+                raise TransportError(f"request {request_id}: not open")
+            seq = self._next_seq[request_id]
+        future = self._engine.submit(asyncio.wait_for(self._recv_message(request_id, seq),
+                                                      timeout))
+        with self._lock:
+            self._waiting[request_id] = future
+        try:
+            message = future.result(timeout + 5)
+        except (TimeoutError, asyncio.TimeoutError):
+            future.cancel()
+            raise TimeoutError(f"request {request_id}: no message within {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            raise TransportError(f"request {request_id}: closed while receiving") from None
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+        with self._lock:
+            if self._next_seq.get(request_id) != seq:
+                raise TransportError(f"request {request_id}: closed while receiving")
+            self._next_seq[request_id] = seq + 1
+        return message
+
+    async def _recv_message(self, request_id: str, seq: int, device=None) -> Message:
+        meta = _decode_frame(await _take_frame(message_tag(request_id, seq, 0)))
+        if meta["request_id"] != request_id or meta["seq"] != seq:
+            raise TransportError(f"request {request_id}: frame of request {meta['request_id']} "
+                                 f"message {meta['seq']} under the tag of message {seq}")
+        if len(meta["buffers"]) > MAX_BUFFERS:
+            raise TransportError(f"{meta['name']}: {len(meta['buffers'])} buffers, at most "
+                                 f"{MAX_BUFFERS}")
+        buffers, receives = {}, []
+        for part, (name, nbytes, kind) in enumerate(meta["buffers"], start=1):
+            where = device or (self._device if kind == "cuda" else torch.device("cpu"))
+            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
+            buffers[name] = buf
+            if nbytes:
+                receives.append(_recv_tag(_wire_view(buf), message_tag(request_id, seq, part)))
+        await asyncio.gather(*receives)
+        return Message(request_id, seq, meta["name"], meta["header"].encode("latin-1"), buffers)
+
+    def close(self, request_id: str) -> None:
+        self._forget(request_id)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._forget(request_id)
+        if seq is None or self.drain_seconds <= 0:
+            return
+        with self._lock:
+            self._draining.add(request_id)
+        self._engine.submit(self._drain(request_id, seq))
+
+    def _forget(self, request_id: str) -> int | None:
+        with self._lock:
+            waiting = self._waiting.pop(request_id, None)
+            if waiting is not None:
+                waiting.cancel()  # its thread raises "closed while receiving"
+            return self._next_seq.pop(request_id, None)
+
+    async def _drain(self, request_id: str, seq: int) -> None:
+        """Take and discard this request's remaining messages until none arrives for a while."""
+        deadline = time.monotonic() + self.drain_seconds
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    await asyncio.wait_for(
+                        self._recv_message(request_id, seq, device=torch.device("cpu")),
+                        max(0.0, deadline - time.monotonic()))
+                except (TimeoutError, asyncio.TimeoutError):
+                    return
+                with self._lock:
+                    self.strays += 1
+                seq += 1
+                deadline = time.monotonic() + self.drain_seconds
+        except Exception:  # a broken stray is still a stray; nothing else to free
+            with self._lock:
+                self.strays += 1
+        finally:
+            with self._lock:
+                self._draining.discard(request_id)
+
+    def pending(self) -> dict[str, int]:
+        with self._lock:
+            return {"open_requests": len(self._next_seq), "buffered_messages": 0,
+                    "draining_requests": len(self._draining)}
+
+    def shutdown(self) -> None:
+        async def close_all():
+            for endpoint in self._endpoints:
+                if not endpoint.closed:
+                    await endpoint.close()
+            self._listener.close()
+
+        self._engine.call(close_all(), 10)
+
+
+class UcxSender(TransportSender):
+    """Prefill side: sends to one receiver address; the endpoint is made once and reused."""
+
+    def __init__(self, engine: UcxEngine, address: str, connect_timeout: float = 10.0):
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"address: expected host:port, got {address!r}")
+        self._engine = engine
+        self.address = address
+        self._endpoint = engine.call(self._connect(host, int(port)), connect_timeout)
+        self._in_flight: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    async def _connect(host: str, port: int):
+        import ucxx
+
+        return await ucxx.create_endpoint(host, port)
+
+    def send(self, message: Message) -> None:
+        if len(message.buffers) > MAX_BUFFERS:
+            raise TransportError(f"{message.name}: {len(message.buffers)} buffers, at most "
+                                 f"{MAX_BUFFERS}")
+        frame = torch.frombuffer(bytearray(_encode_frame(message)), dtype=torch.uint8)
+        parts = [frame.numpy()] + [_wire_view(b) for b in message.buffers.values()]
+        # Posted on the engine loop in call order, so the parts of a request leave in order.
+        future = self._engine.submit(self._send_parts(message, parts))
+        with self._lock:
+            self._in_flight.setdefault(message.request_id, []).append(future)
+
+    async def _send_parts(self, message: Message, parts: list) -> None:
+        endpoint = self._endpoint
+        sends = [endpoint.send(part, tag=message_tag(message.request_id, message.seq, index),
+                               force_tag=True)
+                 for index, part in enumerate(parts) if len(part)]
+        await asyncio.gather(*sends)
+
+    def flush(self, request_id: str, timeout: float | None = None) -> None:
+        with self._lock:
+            futures = self._in_flight.pop(request_id, [])
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            for future in futures:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                future.result(remaining)
+        except TimeoutError:
+            for future in futures:
+                future.cancel()
+            raise TimeoutError(f"request {request_id}: messages still on the wire after "
+                               f"{timeout} s") from None
+        except Exception as exc:
+            for future in futures:
+                future.cancel()
+            raise TransportError(f"request {request_id}: send failed: {exc}") from exc
+
+    def pending(self) -> dict[str, int]:
+        with self._lock:
+            return {"in_flight_messages": sum(not f.done() for fs in self._in_flight.values()
+                                              for f in fs)}
+
+    def shutdown(self) -> None:
+        async def close():
+            if not self._endpoint.closed:
+                await self._endpoint.close()
+
+        self._engine.call(close(), 10)

@@ -1,0 +1,131 @@
+"""`rekv bench handoff`: the command-line face of `rekv_core.bench.handoff` (tables and JSON)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _csv(kind):
+    def parse(text: str):
+        return [kind(item) for item in text.split(",") if item]
+    return parse
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (results go under bench/results/)")
+    which = bench.add_subparsers(dest="bench", required=True)
+    handoff = which.add_parser(
+        "handoff", help="every handoff action over the throttled in-process link",
+        description="Time every handoff action end to end over the throttled in-process link: "
+                    "medians with 95%% bootstrap intervals, speedup over full BF16 transfer, "
+                    "overlapped vs sequential schedules and the eq. 9 cost model.")
+    handoff.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
+                         "the embedded smollm2-135m)")
+    handoff.add_argument("--device", default=None, help="cpu, cuda or cuda:N (env REKV_DEVICE)")
+    handoff.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
+    handoff.add_argument("--threads", type=int, default=None,
+                         help="torch intra-op threads (env REKV_TORCH_THREADS; 0 = all cores)")
+    handoff.add_argument("--prompt-len", type=_csv(int), default=[512, 2048],
+                         help="prompt lengths S, comma-separated (default 512,2048)")
+    handoff.add_argument("--link-gbps", type=_csv(str), default=["x0.5", "x1", "x4"],
+                         help="link rates, comma-separated: Gb/s, or xK = K times the rate at "
+                              "which all layers' BF16 KV takes as long to send as all layers "
+                              "take to compute (default x0.5,x1,x4)")
+    handoff.add_argument("--cuts", type=_csv(int), default=None,
+                         help="cuts c for the recompute and joint sweeps (default L/5..4L/5)")
+    handoff.add_argument("--quant-codecs", type=_csv(str), default=["int8", "int4"],
+                         help="codecs for transfer-only (default int8,int4)")
+    handoff.add_argument("--joint-codecs", type=_csv(str), default=["int8", "int4"],
+                         help="codecs for the joint cut sweep (default int8,int4)")
+    handoff.add_argument("--sequential-codecs", type=_csv(str), default=["bf16", "int8"],
+                         help="prefix codecs whose cut sweep is also run with the sequential "
+                              "schedule (default bf16,int8)")
+    handoff.add_argument("--warmups", type=int, default=3)
+    handoff.add_argument("--runs", type=int, default=10)
+    handoff.add_argument("--json", metavar="FILE", help="also write meta, rows and summaries")
+    handoff.set_defaults(func=cmd_bench_handoff)
+
+
+def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    import sys
+
+    from rich.console import Console
+
+    from rekv_core.bench.handoff import BenchConfig, LinkRate, run_bench
+    from rekv_core.codecs import get_codec
+    from rekv_core.model import Model, load_weights
+    from rekv_core.settings import RuntimeSettings
+
+    if args.warmups < 0:
+        raise ValueError(f"warmups: must be >= 0, got {args.warmups}")
+    if args.runs < 1:
+        raise ValueError(f"runs: must be >= 1, got {args.runs}")
+    if not args.prompt_len or min(args.prompt_len) < 1:
+        raise ValueError(f"prompt-len: need positive lengths, got {args.prompt_len}")
+    for codec in (*args.quant_codecs, *args.joint_codecs, *args.sequential_codecs):
+        get_codec(codec)
+    rates = [LinkRate.parse(text) for text in args.link_gbps]
+    settings = RuntimeSettings.from_env(model=args.model, device=args.device, dtype=args.dtype,
+                                        torch_threads=args.threads)
+    threads = settings.apply_threads()
+    console = Console(stderr=True)
+    model = Model(load_weights(settings.model, settings.torch_dtype, settings.device))
+    config = BenchConfig(prompt_lens=args.prompt_len, link_rates=rates, cuts=args.cuts,
+                         quant_codecs=args.quant_codecs, joint_codecs=args.joint_codecs,
+                         sequential_codecs=args.sequential_codecs, warmups=args.warmups,
+                         runs=args.runs,
+                         extra={"command": "rekv " + " ".join(sys.argv[1:])
+                                if sys.argv[0].endswith("rekv") else None})
+    console.print(f"{model.shape.name}: {model.shape.num_layers} layers, {model.dtype}, "
+                  f"{model.device}, {threads} torch threads")
+    results = run_bench(model, config, progress=lambda line: console.log(line))
+    print_results(results)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def print_results(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=160)
+    rows = results["rows"]
+    for point in results["points"]:
+        S = point["prompt_len"]
+        for link in dict.fromkeys(r["link"] for r in rows if r["prompt_len"] == S):
+            here = [r for r in rows if r["prompt_len"] == S and r["link"] == link]
+            table = Table(title=f"S = {S} tokens, link {link} = {here[0]['link_gbps']:.3g} Gb/s "
+                                f"(all layers compute in {point['compute_all_ms']:.0f} ms)")
+            for column in ("action", "codec", "cut", "sched", "KiB", "Q", "H", "X", "R", "J",
+                           "median ms", "95% CI", "model ms", "× bf16"):
+                table.add_column(column, justify="left" if column in ("action", "codec", "sched")
+                                 else "right")
+            for r in here:
+                table.add_row(r["action"], r["codec"], str(r["cut"]), r["schedule"][:3],
+                              f"{r['bytes'] / 1024:.0f}",
+                              *(f"{r[f'{p}_ms']:.0f}" for p in ("Q", "H", "X", "R", "J")),
+                              f"{r['median_ms']:.0f}",
+                              f"{r['ci95_ms'][0]:.0f}–{r['ci95_ms'][1]:.0f}",
+                              f"{r['model_ms']:.0f}", f"{r['speedup_vs_bf16']:.2f}")
+            console.print(table)
+    pairs = Table(title="Overlapped vs sequential schedule at the same cut (ms)")
+    for column in ("S", "link", "codec", "cut", "overlap", "sequential", "seq/ov",
+                   "ov model", "ov measured/model"):
+        pairs.add_column(column, justify="right")
+    for p in results["overlap_vs_sequential"]:
+        pairs.add_row(str(p["prompt_len"]), p["link"], p["codec"], str(p["cut"]),
+                      f"{p['overlap_ms']:.0f}", f"{p['sequential_ms']:.0f}",
+                      f"{p['sequential_over_overlap']:.2f}", f"{p['overlap_model_ms']:.0f}",
+                      f"{p['overlap_measured_over_model']:.2f}")
+    console.print(pairs)
+    shared = Table(title="Suffix compute per layer, alone vs beside the prefix branch (ms)")
+    for column in ("S", "link", "alone", "overlapped", "slowdown"):
+        shared.add_column(column, justify="right")
+    for c in results["contention"]:
+        shared.add_row(str(c["prompt_len"]), c["link"], f"{c['suffix_ms_per_layer_alone']:.1f}",
+                       f"{c['suffix_ms_per_layer_overlapped']:.1f}", f"{c['slowdown']:.2f}")
+    console.print(shared)

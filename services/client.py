@@ -1,0 +1,58 @@
+"""A router's view of rekv: call `Decode.Generate` and collect the stream.
+
+`generate(channel, request_id, prompt, max_new_tokens, ...)` returns a `Generation` with the new
+token ids, their text and the summary; gRPC errors propagate as `grpc.RpcError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.rpc import rekv_pb2, rekv_pb2_grpc
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    text: str
+    summary: rekv_pb2.Summary
+    messages: int
+
+
+def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
+                     forced_action: tuple[str, int] | None = None,
+                     sampling: dict | None = None, stop_at_eos: bool | None = None):
+    request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
+    if isinstance(prompt, str):
+        request.text = prompt
+    else:
+        request.token_ids.ids.extend(prompt)
+    if forced_action is not None:
+        request.forced_action.codec, request.forced_action.cut = forced_action
+    if sampling is not None:
+        request.sampling.CopyFrom(rekv_pb2.SamplingParams(**sampling))
+    if stop_at_eos is not None:
+        request.stop_at_eos = stop_at_eos
+    return request
+
+
+def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int],
+             max_new_tokens: int, forced_action: tuple[str, int] | None = None,
+             sampling: dict | None = None, stop_at_eos: bool | None = None,
+             timeout: float | None = 300.0) -> Generation:
+    stub = rekv_pb2_grpc.DecodeStub(channel)
+    request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
+                               stop_at_eos)
+    tokens, pieces, summary, count = [], [], None, 0
+    for response in stub.Generate(request, timeout=timeout):
+        count += 1
+        tokens.extend(response.token_ids)
+        pieces.append(response.text)
+        if response.HasField("summary"):
+            summary = response.summary
+    if summary is None:
+        raise RuntimeError(f"request {request_id}: the stream ended without a summary")
+    return Generation(tokens, "".join(pieces), summary, count)

@@ -1,0 +1,64 @@
+"""The Prometheus metrics of both services (prometheus-client), served on each one's own port.
+
+Names follow Prometheus conventions: seconds and bytes in base units, `_total` on counters. Each
+service gets its own `CollectorRegistry`, so two services in one process (tests) stay apart.
+Histograms share buckets from 1 ms to 30 s.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+BYTE_KINDS = ("boundary", "prefix", "scales", "tokens", "head")
+
+
+class ServiceMetrics:
+    def __init__(self, role: str):
+        self.role = role
+        self.registry = CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(f"rekv_{name}_seconds", doc, buckets=BUCKETS, registry=r)
+
+        self.handoff = histogram("handoff", "Handoff total: from the request for the KV to a "
+                                 "complete cache (decode) or to the last byte sent (prefill)")
+        self.prefill = histogram("prefill", "Prefill compute on the prefill worker")
+        self.quantize = histogram("quantize", "Q: encoding the prefix layers")
+        self.boundary = histogram("boundary_transfer", "H: until the boundary h_c is received")
+        self.prefix = histogram("prefix_transfer", "X: prefix transfer and restore")
+        self.suffix = histogram("suffix", "R: suffix recompute on the decode worker")
+        self.join = histogram("join", "J: joining the two branches")
+        self.ttft = histogram("ttft", "Time to first token, from Generate's arrival")
+        self.request = histogram("request", "A whole request, until its last message")
+        self.prediction_error = Histogram(
+            "rekv_handoff_prediction_error_ratio", "Measured over predicted handoff time",
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0), registry=r)
+        direction = "sent" if role == "prefill" else "received"
+        self.bytes = Counter(f"rekv_{direction}_bytes", f"Data-plane bytes {direction}, by kind",
+                             ["kind"], registry=r)
+        self.requests = Counter("rekv_requests", "Handled requests by action",
+                                ["action", "codec", "cut"], registry=r)
+        self.failures = Counter("rekv_failures", "Failed requests by reason", ["reason"],
+                                registry=r)
+        self.fallbacks = Counter("rekv_fallbacks", "Handoffs that fell back to recomputing the "
+                                 "prompt from its token ids", ["reason"], registry=r)
+        self.in_flight = Gauge("rekv_handoffs_in_flight", "Handoffs now in progress", registry=r)
+        self.queue = Gauge("rekv_queue_depth", "Requests waiting or running", registry=r)
+        self.transport_pending = Gauge(
+            "rekv_transport_pending", "Data-plane state still held: open or draining transfers "
+            "(decode), messages not yet sent (prefill)", registry=r)
+        self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
+                          "The link rate estimate used by the planner, Gb/s", registry=r)
+
+    def count_bytes(self, wire) -> None:
+        for kind in BYTE_KINDS:
+            amount = getattr(wire, kind)
+            if amount:
+                self.bytes.labels(kind).inc(amount)
+
+    def serve(self, host: str, port: int) -> int:
+        """Start the /metrics HTTP server; returns the bound port."""
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        return server.server_port

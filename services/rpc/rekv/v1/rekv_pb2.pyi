@@ -1,0 +1,200 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "text", "max_new_tokens", "sampling", "forced_action", "stop_at_eos")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: TokenIds
+    text: str
+    max_new_tokens: int
+    sampling: SamplingParams
+    forced_action: Action
+    stop_at_eos: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Action(_message.Message):
+    __slots__ = ("codec", "cut")
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    codec: str
+    cut: int
+    def __init__(self, codec: _Optional[str] = ..., cut: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("token_ids", "text", "summary")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    text: str
+    summary: Summary
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
+
+class Summary(_message.Message):
+    __slots__ = ("request_id", "prompt_tokens", "generated_tokens", "finish_reason", "action", "action_kind", "bytes", "predicted_handoff_ms", "measured_handoff_ms", "ttft_ms", "fallback", "fallback_reason", "timings", "request_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_HANDOFF_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_tokens: int
+    generated_tokens: int
+    finish_reason: str
+    action: Action
+    action_kind: str
+    bytes: WireBytes
+    predicted_handoff_ms: float
+    measured_handoff_ms: float
+    ttft_ms: float
+    fallback: bool
+    fallback_reason: str
+    timings: HandoffTimings
+    request_ms: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., predicted_handoff_ms: _Optional[float] = ..., measured_handoff_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[HandoffTimings, _Mapping]] = ..., request_ms: _Optional[float] = ...) -> None: ...
+
+class HandoffTimings(_message.Message):
+    __slots__ = ("prefill_ms", "q_ms", "h_ms", "x_ms", "r_ms", "j_ms")
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    Q_MS_FIELD_NUMBER: _ClassVar[int]
+    H_MS_FIELD_NUMBER: _ClassVar[int]
+    X_MS_FIELD_NUMBER: _ClassVar[int]
+    R_MS_FIELD_NUMBER: _ClassVar[int]
+    J_MS_FIELD_NUMBER: _ClassVar[int]
+    prefill_ms: float
+    q_ms: float
+    h_ms: float
+    x_ms: float
+    r_ms: float
+    j_ms: float
+    def __init__(self, prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., h_ms: _Optional[float] = ..., x_ms: _Optional[float] = ..., r_ms: _Optional[float] = ..., j_ms: _Optional[float] = ...) -> None: ...
+
+class WireBytes(_message.Message):
+    __slots__ = ("boundary", "prefix", "scales", "tokens", "head")
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    boundary: int
+    prefix: int
+    scales: int
+    tokens: int
+    head: int
+    def __init__(self, boundary: _Optional[int] = ..., prefix: _Optional[int] = ..., scales: _Optional[int] = ..., tokens: _Optional[int] = ..., head: _Optional[int] = ...) -> None: ...
+
+class HandoffRequest(_message.Message):
+    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
+    FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    transfer_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    offer: DecodeOffer
+    forced_action: Action
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+
+class DecodeOffer(_message.Message):
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers")
+    class RestoreMsPerMibEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CODECS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_MS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_MS_PER_MIB_FIELD_NUMBER: _ClassVar[int]
+    JOIN_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    HANDOFFS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ucx_address: str
+    codecs: _containers.RepeatedScalarFieldContainer[str]
+    suffix_ms_per_layer: float
+    restore_ms_per_mib: _containers.ScalarMap[str, float]
+    join_ms: float
+    queue_depth: int
+    handoffs_in_flight: int
+    model: str
+    num_layers: int
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class HandoffResponse(_message.Message):
+    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    Q_MS_FIELD_NUMBER: _ClassVar[int]
+    SEND_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LINK_GBPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    action: Action
+    action_kind: str
+    predicted_ms: float
+    candidates: _containers.RepeatedCompositeFieldContainer[Candidate]
+    prefill_ms: float
+    q_ms: float
+    send_ms: float
+    bytes: WireBytes
+    link_gbps_estimate: float
+    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ...) -> None: ...
+
+class Candidate(_message.Message):
+    __slots__ = ("action", "action_kind", "predicted_ms", "bytes")
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    action: Action
+    action_kind: str
+    predicted_ms: float
+    bytes: int
+    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., bytes: _Optional[int] = ...) -> None: ...

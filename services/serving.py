@@ -1,0 +1,116 @@
+"""What both services share: the gRPC server's life cycle on uvloop, health, reflection, the
+metrics endpoint, the ready file, graceful shutdown, and mapping errors to gRPC status codes.
+
+`serve(settings, build)` loads nothing itself: `build(server, metrics)` adds the servicers and
+returns (service names, an async `drain()` the shutdown awaits, and extra ready-file fields). On
+SIGTERM or SIGINT the health status turns NOT_SERVING, the server stops accepting calls and gives
+in-flight ones `shutdown_grace_s` to finish, after which they are cancelled (their handoffs fail
+cleanly and free their buffers); then `drain()` runs and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.metrics import ServiceMetrics
+from services.settings import ServiceSettings
+
+log = logging.getLogger("rekv.serve")
+
+MAX_MESSAGE_BYTES = 64 << 20
+Build = Callable[[grpc.aio.Server, ServiceMetrics],
+                 Awaitable[tuple[list[str], Callable[[], Awaitable[None]], dict]]]
+
+
+class Worker:
+    """What both workers hold: settings, metrics, the model, torch threads, the UCX engine."""
+
+    def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
+        from rekv_core.model import Model, load_weights
+        from rekv_core.transport.ucx import UcxEngine
+
+        runtime = settings.runtime
+        self.settings = settings
+        self.metrics = metrics
+        self.threads = runtime.apply_threads()
+        self.model = Model(load_weights(runtime.model, runtime.torch_dtype, runtime.device))
+        self.shape = self.model.shape
+        self.engine = UcxEngine()
+
+
+class InvalidArgument(ValueError):
+    """Bad input from the caller: INVALID_ARGUMENT, with a message naming the field."""
+
+
+def run(settings: ServiceSettings, build: Build) -> int:
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # not on Linux or macOS: the standard loop still works
+        return asyncio.run(serve(settings, build))
+    return uvloop.run(serve(settings, build))
+
+
+async def serve(settings: ServiceSettings, build: Build) -> int:
+    metrics = ServiceMetrics(settings.role)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+    names, drain, extra = await build(server, metrics)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    if not grpc_port:
+        raise OSError(f"grpc_port: cannot bind {settings.host}:{settings.grpc_port}")
+    metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    await server.start()
+    for name in ("", *names[:-2]):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    ready = {"role": settings.role, "grpc": f"{settings.host}:{grpc_port}",
+             "metrics": f"{settings.host}:{metrics_port}", **extra}
+    log.info("%s service ready: %s", settings.role, json.dumps(ready))
+    if settings.ready_file:
+        path = Path(settings.ready_file)
+        path.with_suffix(".tmp").write_text(json.dumps(ready))
+        path.with_suffix(".tmp").replace(path)
+
+    await stop.wait()
+    log.info("%s service stopping: in-flight calls have %.1f s", settings.role,
+             settings.shutdown_grace_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.shutdown_grace_s)
+    await drain()
+    log.info("%s service stopped", settings.role)
+    return 0
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status a failed request ends with, and the reason label for metrics."""
+    from rekv_core.codecs.base import CorruptPayloadError
+    from rekv_core.transport import TransportError
+
+    if isinstance(exc, InvalidArgument):
+        return grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"
+    if isinstance(exc, (TransportError, CorruptPayloadError)):
+        return grpc.StatusCode.UNAVAILABLE, "transfer"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return exc.code(), "peer_" + exc.code().name.lower()
+    return grpc.StatusCode.INTERNAL, "internal"

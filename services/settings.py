@@ -1,0 +1,106 @@
+"""Settings of the two services: one typed object, from flags and the environment, checked once.
+
+Every field can be set with a flag (`--max-prompt-tokens 4096`) or an environment variable
+(`REKV_MAX_PROMPT_TOKENS=4096`); a flag wins. `ServiceSettings.from_args(role, argv)` parses and
+validates; an invalid value raises `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from rekv_core.codecs import codec_names
+from rekv_core.settings import RuntimeSettings
+
+ROLES = ("prefill", "decode")
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    role: str
+    model: str = "smollm2-135m"
+    device: str = "cpu"
+    dtype: str = "auto"
+    torch_threads: int = 0  # 0: every usable core
+    host: str = "127.0.0.1"  # where gRPC, metrics and UCX listen
+    grpc_port: int = 0  # 0: pick a free port (printed and written to --ready-file)
+    metrics_port: int = 0
+    ucx_port: int = 0  # decode only
+    prefill_address: str = ""  # decode only: host:port of the prefill service's gRPC
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 512  # the limit on a request's max_new_tokens
+    max_concurrent: int = 4  # requests handled at once; more wait in the queue
+    codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
+    link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
+    handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
+    shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
+    ready_file: str = ""  # when set: JSON with the bound ports, written once serving
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
+        for name in ("grpc_port", "metrics_port", "ucx_port"):
+            port = getattr(self, name)
+            if not 0 <= port < 65536:
+                raise ValueError(f"{name}: must lie in [0, 65535], got {port}")
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        unknown = [c for c in self.codecs if c not in codec_names()]
+        if unknown or not self.codecs:
+            raise ValueError(f"codecs: must be a non-empty subset of {codec_names()}, "
+                             f"got {list(self.codecs)}")
+        if self.link_gbps <= 0:
+            raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
+        if self.role == "decode" and not self.prefill_address:
+            raise ValueError("prefill_address: required for the decode service (host:port)")
+        self.runtime  # validates model, device and dtype
+
+    @property
+    def runtime(self) -> RuntimeSettings:
+        return RuntimeSettings(model=self.model, device=self.device, dtype=self.dtype,
+                               torch_threads=self.torch_threads)
+
+    @classmethod
+    def parser(cls, role: str) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=f"rekv serve {role}",
+                                         description=f"Run the {role} service.")
+        for f in dataclasses.fields(cls):
+            if f.name == "role":
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            env = "REKV_" + f.name.upper()
+            parser.add_argument("--" + f.name.replace("_", "-"), default=None,
+                                help=f"(env {env}; default {_show(default)})")
+        return parser
+
+    @classmethod
+    def from_args(cls, role: str, argv: list[str] | None = None) -> ServiceSettings:
+        args = cls.parser(role).parse_args(argv)
+        values = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "role":
+                continue
+            raw = getattr(args, f.name)
+            if raw is None:
+                raw = os.environ.get("REKV_" + f.name.upper())
+            if raw is not None:
+                values[f.name] = _convert(f, raw)
+        return cls(role=role, **values)
+
+def _show(value) -> str:
+    return ",".join(value) if isinstance(value, tuple) else repr(value)
+
+def _convert(f: dataclasses.Field, raw: str):
+    kind = type(f.default) if f.default is not dataclasses.MISSING else tuple
+    try:
+        if kind is tuple:
+            return tuple(item.strip() for item in raw.split(",") if item.strip())
+        if kind is bool:
+            return raw.lower() in ("1", "true", "yes")
+        return kind(raw)
+    except ValueError:
+        raise ValueError(f"{f.name}: cannot read {raw!r} as {kind.__name__}") from None

@@ -1,0 +1,93 @@
+"""`rekv bench handoff`: its statistics, its sweep and its JSON, on a small real run."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from rekv_core.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
+from rekv_core.bench.stats import median_ci
+from rekv_core.handoff.action import ActionKind
+
+ROW_KEYS = {"action", "codec", "cut", "prompt_len", "link_gbps", "bytes", "median_ms", "ci95_ms",
+            "speedup_vs_bf16"}
+
+
+def test_median_ci_brackets_the_median_and_narrows_with_agreement():
+    samples = [10.0, 11.0, 12.0, 13.0, 50.0, 9.0, 10.5, 11.5, 12.5, 10.2]
+    median, (low, high) = median_ci(samples)
+    assert median == statistics.median(samples)
+    assert low <= median <= high
+    assert high < 50.0  # the outlier does not drag the median's interval
+    assert median_ci([7.0] * 12) == (7.0, (7.0, 7.0))
+    assert median_ci(samples) == median_ci(samples)  # seeded: reproducible
+    with pytest.raises(ValueError, match="samples"):
+        median_ci([])
+
+
+def test_link_rates_parse_and_scale():
+    assert LinkRate.parse("x2").gbps(0.25) == 0.5
+    assert LinkRate.parse("10").gbps(0.25) == 10.0
+    assert LinkRate.parse("x0.5").label == "x0.5"
+    for bad in ("fast", "x", "-1", "x0"):
+        with pytest.raises(ValueError, match="link-gbps"):
+            LinkRate.parse(bad)
+
+
+def test_sweep_covers_every_action_kind_and_both_schedules():
+    cases = cases_for(30, BenchConfig())
+    assert {c.action.kind for c in cases} == set(ActionKind)
+    assert default_cuts(30) == [6, 12, 18, 24]
+    joint_int8 = {c.action.cut for c in cases if c.action.codec == "int8" and
+                  c.action.kind == ActionKind.JOINT and c.schedule == "sequential"}
+    assert joint_int8 == {6, 12, 18, 24}
+    with pytest.raises(ValueError, match="cuts"):
+        cases_for(30, BenchConfig(cuts=[30]))
+
+
+def _rekv(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_small_run_writes_rows_for_every_action(tmp_path):
+    out = tmp_path / "handoff.json"
+    result = _rekv("bench", "handoff", "--prompt-len", "24", "--link-gbps", "x1,2",
+                   "--cuts", "15", "--quant-codecs", "int8", "--joint-codecs", "int8,int4",
+                   "--sequential-codecs", "int8", "--warmups", "1", "--runs", "3",
+                   "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "Overlapped vs sequential" in result.stdout
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    # 5 transfer/token actions + bf16 and int8, int4 at cut 15 + int8 sequential, per link rate
+    assert len(rows) == 2 * 7
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    assert {r["action"] for r in rows} == {k.value for k in ActionKind}
+    assert {r["link_gbps"] for r in rows if r["link"] == "2"} == {2.0}
+    for r in rows:
+        assert r["runs"] == 3 and len(r["samples_ms"]) == 3
+        assert r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
+        if r["action"] == "bf16_transfer":
+            assert r["speedup_vs_bf16"] == 1.0
+    by = {(r["link"], r["action"], r["codec"], r["schedule"]): r for r in rows}
+    # bytes: 30 BF16 layers of [3, 24, 64] K and V, plus the head (576 BF16 values)
+    assert by["2", "bf16_transfer", "bf16", "overlap"]["bytes"] == 30 * 2 * 3 * 24 * 64 * 2 + 1152
+    assert by["2", "token_recompute", "tokens", "overlap"]["bytes"] == 24 * 4
+    assert by["2", "joint", "int8", "overlap"]["bytes_by_kind"]["boundary"] == 24 * 576 * 2
+    pairs = report["overlap_vs_sequential"]
+    assert {(p["link"], p["codec"], p["cut"]) for p in pairs} == {("x1", "int8", 15),
+                                                                  ("2", "int8", 15)}
+    assert report["points"][0]["balanced_gbps"] > 0
+    assert report["meta"]["model"] == "smollm2-135m" and report["meta"]["runs"] == 3
+
+
+def test_bad_arguments_are_named():
+    result = _rekv("bench", "handoff", "--link-gbps", "fast")
+    assert result.returncode == 2 and "link-gbps" in result.stderr
+    result = _rekv("bench", "handoff", "--runs", "0")
+    assert result.returncode == 2 and "runs" in result.stderr
+    result = _rekv("bench", "handoff", "--joint-codecs", "int3")
+    assert result.returncode == 2 and "int3" in result.stderr

@@ -1,0 +1,191 @@
+"""The two services as real processes: gRPC on loopback, KV over UCX (TCP) on loopback.
+
+They run the embedded model in BF16, the serving dtype, with the same thread count as this test
+process, so a lossless handoff must reproduce the single-process reference token for token.
+"""
+
+import re
+import threading
+import urllib.request
+
+import grpc
+import pytest
+import torch
+
+from rekv_core.model import Model, greedy_generate, load_weights
+from services.client import generate
+from services.launcher import ServicePair
+
+MAX_PROMPT = 600
+MAX_NEW = 96
+PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "There is important information hidden in this text. The pass key is 4417. Remember it. "
+    + "The grass is green. The sky is blue. " * 12 + "What is the pass key? The pass key is",
+)
+
+
+@pytest.fixture(scope="module")
+def services(tmp_path_factory):
+    settings = ["--dtype", "bfloat16", "--torch-threads", str(torch.get_num_threads()),
+                "--max-prompt-tokens", str(MAX_PROMPT), "--max-new-tokens", str(MAX_NEW),
+                "--codecs", "bf16,int8,int4"]
+    pair = ServicePair(settings, settings, log_dir=tmp_path_factory.mktemp("services"))
+    channel = grpc.insecure_channel(pair.decode_address)
+    pair.succeeded = 0
+    yield pair, channel
+    channel.close()
+    codes = pair.stop()
+    assert codes == {"decode": 0, "prefill": 0}, "services did not stop cleanly"
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    model = Model(load_weights("smollm2-135m", torch.bfloat16))
+    cache = {}
+
+    def tokens(prompt: str, n: int, stop_at_eos: bool = True) -> list[int]:
+        if (prompt, n, stop_at_eos) not in cache:
+            cache[prompt, n, stop_at_eos] = greedy_generate(
+                model, tokenizer.encode(prompt), n,
+                tokenizer.eos_token_id if stop_at_eos else None)
+        return cache[prompt, n, stop_at_eos]
+
+    return tokens
+
+
+def _run(services, request_id, prompt, n, forced=None, **kwargs):
+    pair, channel = services
+    result = generate(channel, request_id, prompt, n, forced_action=forced, **kwargs)
+    pair.succeeded += 1
+    return result
+
+
+@pytest.mark.parametrize("forced", [("bf16", 30), ("bf16", 15), ("bf16", 0)],
+                         ids=["bf16_transfer", "bf16_recompute", "token_recompute"])
+def test_lossless_actions_reproduce_the_reference(services, reference, forced):
+    for index, prompt in enumerate(PROMPTS):
+        result = _run(services, f"lossless-{forced[1]}-{index}", prompt, 24, forced)
+        assert result.summary.action.codec == forced[0] and result.summary.action.cut == forced[1]
+        assert not result.summary.fallback
+        assert result.token_ids == reference(prompt, 24), f"prompt {index}"
+        assert result.messages == len(result.token_ids) + 1  # one per token, then the summary
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def test_joint_int8_agrees_with_the_reference(services, reference):
+    """Free-running greedy decoding from the joint int8 cache against BF16, 64 tokens each:
+    the first token must agree, and the continuation must track the reference."""
+    prefixes, matches = [], []
+    for index, prompt in enumerate(PROMPTS):
+        result = _run(services, f"joint-{index}", prompt, 64, ("int8", 15), stop_at_eos=False)
+        want = reference(prompt, 64, stop_at_eos=False)
+        assert result.summary.action_kind == "joint" and len(result.token_ids) == 64
+        assert result.token_ids[0] == want[0]
+        prefixes.append(_common_prefix(result.token_ids, want))
+        matches.append(sum(a == b for a, b in zip(result.token_ids, want)) / 64)
+    print(f"joint int8 (cut 15) vs BF16 over 64 greedy tokens: identical prefix {prefixes}, "
+          f"positions equal {matches}")
+    # Measured on this machine: identical for the first 17, 12 and 64 tokens. Open-ended text
+    # drifts after a near-tie; the passkey answer and its continuation do not.
+    assert min(prefixes) >= 8 and prefixes[2] == 64
+
+
+def test_summary_reports_the_handoff(services):
+    result = _run(services, "summary", PROMPTS[2], 4, ("int8", 15))
+    s = result.summary
+    assert s.request_id == "summary" and s.generated_tokens == 4 and s.finish_reason == "length"
+    assert s.bytes.boundary == s.prompt_tokens * 576 * 2 and s.bytes.prefix > 0
+    assert s.bytes.scales > 0 and s.bytes.tokens == 0
+    assert s.measured_handoff_ms > 0 and s.predicted_handoff_ms > 0 and s.ttft_ms > 0
+    assert s.timings.r_ms > 0 and s.timings.prefill_ms > 0
+
+
+def test_text_and_token_prompts_agree_and_sampling_is_seeded(services, tokenizer):
+    by_text = _run(services, "text", PROMPTS[0], 8, ("bf16", 30))
+    by_ids = _run(services, "ids", tokenizer.encode(PROMPTS[0]), 8, ("bf16", 30))
+    assert by_text.token_ids == by_ids.token_ids
+    sampling = {"temperature": 0.9, "top_p": 0.9, "top_k": 40, "seed": 7}
+    first = _run(services, "sample-1", PROMPTS[0], 12, ("bf16", 30), sampling=sampling)
+    second = _run(services, "sample-2", PROMPTS[0], 12, ("bf16", 30), sampling=sampling)
+    assert first.token_ids == second.token_ids
+
+
+def test_planner_chooses_when_nothing_is_forced(services):
+    result = _run(services, "planned", PROMPTS[2], 4)
+    assert result.summary.action.cut <= 30 and result.summary.predicted_handoff_ms > 0
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"prompt": ""}, "text"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [1, 2, 49152]}, "token_ids"),
+    ({"prompt": [5] * (MAX_PROMPT + 1)}, "token_ids"),
+    ({"n": 0}, "max_new_tokens"),
+    ({"n": MAX_NEW + 1}, "max_new_tokens"),
+    ({"forced": ("int3", 10)}, "forced_action.codec"),
+    ({"forced": ("int8", 31)}, "forced_action.cut"),
+    ({"sampling": {"temperature": 1.0, "top_p": 1.5}}, "sampling.top_p"),
+    ({"request_id": ""}, "request_id"),
+])
+def test_bad_requests_are_refused_by_field(services, kwargs, field):
+    pair, channel = services
+    args = {"request_id": "bad", "prompt": "Hello", "n": 4, "forced": None, **kwargs}
+    with pytest.raises(grpc.RpcError) as error:
+        generate(channel, args["request_id"], args["prompt"], args["n"],
+                 forced_action=args["forced"], sampling=args.get("sampling"))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.value.details()
+    _run(services, "after-bad", "Hello", 2, ("bf16", 30))  # still serving
+
+
+def _metrics(pair, role) -> str:
+    with urllib.request.urlopen(pair.metrics_url(role), timeout=10) as response:
+        return response.read().decode()
+
+
+def _value(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
+
+
+def test_deadline_frees_both_sides(services):
+    pair, channel = services
+    long_prompt = [17] * MAX_PROMPT
+    with pytest.raises(grpc.RpcError) as error:
+        generate(channel, "late", long_prompt, MAX_NEW, ("int8", 15), timeout=0.05)
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    waited = threading.Event()
+    for _ in range(200):  # the prefill side finishes its send, the decode side drains it
+        if all(_value(_metrics(pair, role), "rekv_transport_pending") == 0 and
+               _value(_metrics(pair, role), "rekv_handoffs_in_flight") == 0
+               for role in ("decode", "prefill")):
+            break
+        waited.wait(0.1)
+    for role in ("decode", "prefill"):
+        text = _metrics(pair, role)
+        assert _value(text, "rekv_transport_pending") == 0, role
+        assert _value(text, "rekv_handoffs_in_flight") == 0, role
+    _run(services, "after-late", PROMPTS[0], 4, ("int8", 15))
+
+
+def test_metrics_count_every_request(services):
+    """Runs last in this module: every successful request above is in the histograms."""
+    pair, _ = services
+    decode, prefill = _metrics(pair, "decode"), _metrics(pair, "prefill")
+    done = pair.succeeded
+    assert _value(decode, "rekv_request_seconds_count") == done
+    assert _value(decode, "rekv_ttft_seconds_count") == done
+    assert _value(decode, "rekv_handoff_seconds_count") == done
+    assert _value(prefill, "rekv_prefill_seconds_count") >= done  # + the late one, if it ran
+    assert _value(prefill, "rekv_handoff_seconds_count") >= done
+    assert 'rekv_received_bytes_total{kind="boundary"}' in decode
+    assert 'rekv_sent_bytes_total{kind="prefix"}' in prefill
+    assert 'rekv_requests_total{action="joint",codec="int8",cut="15"}' in decode
+    assert _value(decode, 'rekv_failures_total{reason="invalid_argument"}') >= 10
+    assert "rekv_link_bandwidth_estimate_gbps" in prefill

@@ -1,0 +1,130 @@
+"""The UCX transport (ucxx over TCP on loopback) against the transport contract, and a handoff
+over it that rebuilds the same cache as the in-process link."""
+
+import threading
+
+import pytest
+import torch
+
+from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.model import prefill
+from rekv_core.transport import Message, TransportError
+from rekv_core.transport.ucx import UcxEngine, UcxReceiver, UcxSender, message_tag
+
+
+@pytest.fixture(scope="module")
+def ucx():
+    engine = UcxEngine()
+    receiver = UcxReceiver(engine, drain_seconds=0.5)
+    sender = UcxSender(engine, receiver.address)
+    yield engine, receiver, sender
+    sender.shutdown()
+    receiver.shutdown()
+    engine.close()
+
+
+def _msg(request_id, seq, nbytes=16, name=None):
+    return Message(request_id, seq, name or f"m{seq}", b"hdr\x00\xff",
+                   {"data": torch.arange(nbytes, dtype=torch.int64).to(torch.uint8) + seq,
+                    "empty": torch.empty(0, dtype=torch.uint8)})
+
+
+def test_tags_separate_requests_messages_and_parts():
+    tags = {message_tag(r, s, p) for r in ("a", "b") for s in range(3) for p in range(4)}
+    assert len(tags) == 24
+    with pytest.raises(TransportError, match="beyond"):
+        message_tag("a", 1 << 12, 0)
+
+
+def test_messages_arrive_whole_and_in_order(ucx):
+    _, receiver, sender = ucx
+    receiver.open("a")
+    sent = [_msg("a", i, nbytes=10 + 300_000 * (i % 2)) for i in range(4)]  # eager and rndv
+    for m in sent:
+        sender.send(m)
+    got = [receiver.recv("a", timeout=10) for _ in range(4)]
+    sender.flush("a", timeout=10)
+    assert [(g.seq, g.name, g.header) for g in got] == [(m.seq, m.name, m.header) for m in sent]
+    for g, m in zip(got, sent):
+        assert torch.equal(g.buffers["data"], m.buffers["data"])
+        assert g.buffers["empty"].numel() == 0
+    receiver.close("a")
+    assert receiver.pending()["open_requests"] == 0
+    assert sender.pending() == {"in_flight_messages": 0}
+
+
+def test_other_requests_never_land_and_closed_requests_are_drained(ucx):
+    _, receiver, sender = ucx
+    receiver.open("mine")
+    sender.send(_msg("theirs", 0, nbytes=4 << 20))  # a request this receiver never opened
+    with pytest.raises(TimeoutError, match="mine"):
+        receiver.recv("mine", timeout=0.3)
+    sender.send(_msg("mine", 0, name="wanted"))
+    assert receiver.recv("mine", timeout=10).name == "wanted"
+    strays = receiver.strays
+    for seq in (1, 2):  # still in flight when the request is abandoned
+        sender.send(_msg("mine", seq, nbytes=200_000))
+    receiver.abort("mine")
+    sender.flush("mine", timeout=10)  # completes because the receiver drains them
+    deadline = threading.Event()
+    for _ in range(100):
+        if not receiver.pending()["draining_requests"]:
+            break
+        deadline.wait(0.05)
+    assert receiver.strays == strays + 2
+    assert receiver.pending() == {"open_requests": 0, "buffered_messages": 0,
+                                  "draining_requests": 0}
+    with pytest.raises(TransportError, match="not open"):
+        receiver.recv("mine", timeout=0.1)
+    with pytest.raises(TimeoutError, match="theirs"):
+        sender.flush("theirs", timeout=0.3)  # nobody will ever receive it (rendezvous size)
+
+
+def test_bad_address_is_named():
+    with pytest.raises(ValueError, match="address"):
+        UcxSender(None, "no-port-here")
+
+
+@pytest.mark.parametrize("codec,cut", [("int8", 15), ("bf16", 30), ("bf16", 0)])
+def test_handoff_over_ucx_matches_in_process(ucx, smollm_bf16, tokenizer, codec, cut):
+    _, receiver, sender = ucx
+    model = smollm_bf16
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    state = prefill(model, ids)
+    action = Action(codec, cut, model.shape.num_layers)
+    request_id = f"handoff-{codec}-{cut}"
+    receiver.open(request_id)
+    report = {}
+    thread = threading.Thread(target=lambda: report.update(
+        r=send_handoff(sender, request_id, action, model.shape, ids, state)))
+    thread.start()
+    result = receive_handoff(model, receiver, request_id, timeout=30)
+    thread.join()
+    assert result.bytes == report["r"].bytes
+    for layer in range(cut, model.shape.num_layers):
+        k, v = result.cache.layer(layer)
+        assert torch.equal(k, state.keys[layer]) and torch.equal(v, state.values[layer])
+    if codec == "bf16":
+        for layer in range(cut):
+            k, _ = result.cache.layer(layer)
+            assert torch.equal(k, state.keys[layer])
+    assert int(result.logits.argmax()) == int(state.logits.argmax())
+
+
+def test_close_wakes_a_waiting_receive(ucx):
+    _, receiver, _ = ucx
+    receiver.open("waiting")
+    errors = []
+
+    def wait():
+        try:
+            receiver.recv("waiting", timeout=30)
+        except TransportError as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    threading.Event().wait(0.2)
+    receiver.abort("waiting")
+    thread.join(5)
+    assert not thread.is_alive() and errors and "closed while receiving" in errors[0]
