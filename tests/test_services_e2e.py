@@ -189,3 +189,22 @@ def test_metrics_count_every_request(services):
     assert 'rekv_requests_total{action="joint",codec="int8",cut="15"}' in decode
     assert _value(decode, 'rekv_failures_total{reason="invalid_argument"}') >= 10
     assert "rekv_link_bandwidth_estimate_gbps" in prefill
+
+
+def test_unreachable_prefill_falls_back_to_local_recompute(tmp_path, reference):
+    """No prefill service at the configured address: the request still completes, from a cache
+    the decode worker computed itself, and says so."""
+    from services.launcher import ServiceProcess
+
+    decode = ServiceProcess("decode", ["--prefill-address", "127.0.0.1:1", "--dtype",
+                                       "bfloat16", "--torch-threads",
+                                       str(torch.get_num_threads())], tmp_path)
+    try:
+        info = decode.wait_ready(300)
+        with grpc.insecure_channel(info["grpc"]) as channel:
+            result = generate(channel, "orphan", PROMPTS[0], 8)
+    finally:
+        assert decode.stop() == 0
+    assert result.summary.fallback and "UNAVAILABLE" in result.summary.fallback_reason
+    assert result.summary.action_kind == "token_recompute"
+    assert result.token_ids == reference(PROMPTS[0], 8)

@@ -79,7 +79,7 @@ class BenchConfig:
     cuts: Sequence[int] | None = None  # None: L/5, 2L/5, 3L/5, 4L/5
     quant_codecs: Sequence[str] = ("int8", "int4")  # transfer-only
     joint_codecs: Sequence[str] = ("int8", "int4")
-    sequential_codecs: Sequence[str] = ("bf16", "int8")  # also timed with the eq. 8 schedule
+    sequential_codecs: Sequence[str] = ("int8",)  # also timed with the eq. 8 schedule
     warmups: int = 3
     runs: int = 10
     seed: int = 0
