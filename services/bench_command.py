@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -46,6 +47,32 @@ def add_bench_parser(sub) -> None:
     handoff.add_argument("--runs", type=int, default=10)
     handoff.add_argument("--json", metavar="FILE", help="also write meta, rows and summaries")
     handoff.set_defaults(func=cmd_bench_handoff)
+
+    link = which.add_parser(
+        "link", help="the two services across an emulated cross-node link (needs root)",
+        description="Run the prefill and decode services in two network namespaces joined by a "
+                    "veth pair shaped with tc tbf, and time every action and the planner's pick "
+                    "per prompt length and link rate. Without root it falls back to loopback "
+                    "with paced UCX sends. No delay emulation (no netem on this kernel).")
+    link.add_argument("--dtype", default="bfloat16", help="service dtype (default bfloat16)")
+    link.add_argument("--threads", type=int, default=None, help="torch threads per service")
+    link.add_argument("--prompt-len", type=_csv(int), default=None,
+                      help="prompt lengths (default 256,1024; --quick: 256)")
+    link.add_argument("--link-gbps", type=_csv(str), default=None,
+                      help="link rates: Gb/s or xK (K times the balanced rate); default "
+                           "x1,x4,10 (--quick: x1,10)")
+    link.add_argument("--cuts", type=_csv(int), default=None,
+                      help="cuts of the BF16-recompute and joint int8 sweeps (default "
+                           "0.3L,0.5L,0.7L; --quick: 0.5L)")
+    link.add_argument("--warmups", type=int, default=3)
+    link.add_argument("--runs", type=int, default=10)
+    link.add_argument("--quick", action="store_true", help="a small sweep, under 5 minutes")
+    link.add_argument("--loopback", action="store_true",
+                      help="skip the namespaces: loopback with paced UCX sends")
+    link.add_argument("--log-dir", default=None, help="the services' logs")
+    link.add_argument("--json", metavar="FILE", help="write meta, rows and per-point summaries")
+    link.add_argument("--plot", metavar="PNG", help="write the Fig. 2-style plot")
+    link.set_defaults(func=cmd_bench_link)
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
@@ -129,3 +156,62 @@ def print_results(results: dict) -> None:
         shared.add_row(str(c["prompt_len"]), c["link"], f"{c['suffix_ms_per_layer_alone']:.1f}",
                        f"{c['suffix_ms_per_layer_overlapped']:.1f}", f"{c['slowdown']:.2f}")
     console.print(shared)
+
+
+def cmd_bench_link(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rekv_core.bench.handoff import LinkRate
+    from rekv_core.bench.link import LinkBenchConfig, plot, run_link_bench
+    from rekv_core.model import Model, load_weights
+    from rekv_core.settings import RuntimeSettings
+
+    if args.warmups < 0 or args.runs < 1:
+        raise ValueError("warmups/runs: need warmups >= 0 and runs >= 1")
+    lengths = args.prompt_len or ([256] if args.quick else [256, 1024])
+    rates = [LinkRate.parse(t) for t in (args.link_gbps or (["x1", "10"] if args.quick
+                                                             else ["x1", "x4", "10"]))]
+    settings = RuntimeSettings.from_env(dtype=args.dtype, torch_threads=args.threads)
+    threads = settings.apply_threads()
+    model = Model(load_weights(settings.model, settings.torch_dtype, settings.device))
+    L = model.shape.num_layers
+    cuts = args.cuts or ([L // 2] if args.quick else None)
+    service_args = ["--dtype", args.dtype, "--torch-threads", str(threads), "--model",
+                    settings.model, "--device", settings.device]
+    console = Console(stderr=True)
+    config = LinkBenchConfig(prompt_lens=lengths, rates=rates, cuts=cuts, warmups=args.warmups,
+                             runs=args.runs, service_args=service_args, log_dir=args.log_dir,
+                             loopback=args.loopback)
+    results = run_link_bench(model, config, progress=console.log)
+    results["meta"]["command"] = "rekv " + " ".join(sys.argv[1:])
+    out = Console(width=160)
+    for point in results["points"]:
+        S, link = point["prompt_len"], point["link"]
+        table = Table(title=f"S = {S}, link {link} = {point['link_gbps']:.3g} Gb/s")
+        for column in ("action", "median ms", "95% CI", "predicted ms", "× BF16"):
+            table.add_column(column, justify="left" if column == "action" else "right")
+        for r in results["rows"]:
+            if r["prompt_len"] == S and r["link"] == link:
+                table.add_row(r["label"], f"{r['median_ms']:.1f}",
+                              f"{r['ci95_ms'][0]:.1f}–{r['ci95_ms'][1]:.1f}",
+                              f"{r['predicted_ms']:.1f}", f"{r['speedup_vs_bf16']:.2f}")
+        out.print(table)
+    summary = Table(title="Per point: best measured action, the planner's pick, joint int8")
+    for column in ("S", "link", "Gb/s", "best", "ms", "planner", "ms", "within 10%",
+                   "joint/BF16", "joint/best single"):
+        summary.add_column(column, justify="right")
+    for p in results["points"]:
+        summary.add_row(str(p["prompt_len"]), p["link"], f"{p['link_gbps']:.3g}",
+                        p["best"]["label"], f"{p['best']['median_ms']:.1f}",
+                        p["planner"]["label"], f"{p['planner']['median_ms']:.1f}",
+                        "yes" if p["planner_within_10pct"] else "NO",
+                        f"{p['joint_int8_speedup_vs_bf16']:.2f}×",
+                        f"{p['joint_int8_speedup_vs_best_single']:.2f}×")
+    out.print(summary)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.plot:
+        plot(results, args.plot)
+    return 0

@@ -7,6 +7,9 @@
     rekv codecs   bytes per layer of every codec and the boundary bytes, for every preset
     rekv bench handoff
                   time every handoff action over the throttled in-process link
+    rekv profile  measure per-layer costs on this machine (a profile file)
+    rekv gate     evaluate actions against BF16 on a text corpus (a policy file)
+    rekv plan     the action the planner would choose for a prompt length and link rate
 
 Every command that prints figures takes `--json FILE` to write them as well.
 """
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from services.bench_command import add_bench_parser
 from services.demo_command import add_demo_parser
+from services.plan_commands import add_plan_parsers
 
 MiB = 1 << 20
 
@@ -81,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     codecs.set_defaults(func=cmd_codecs)
 
     add_bench_parser(sub)
+    add_plan_parsers(sub)
 
     serve = sub.add_parser("serve", help="run the prefill or the decode service",
                            add_help=False)

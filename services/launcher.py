@@ -1,7 +1,8 @@
 """Start the two services as separate processes on this machine and stop them cleanly.
 
-`ServicePair(...)` starts `rekv serve prefill` then `rekv serve decode` pointed at it (both on
-127.0.0.1, free ports chosen by the services and read back from their ready files), waits until both
+`ServicePair(...)` starts `rekv serve prefill` then `rekv serve decode` pointed at it (on 127.0.0.1
+unless `--host` says otherwise; free ports chosen by the services and read back from their ready
+files; each optionally under a command prefix such as `ip netns exec NS`), waits until both
 answer, and on `stop()` sends SIGTERM and waits for a clean exit (SIGKILL only past `stop_timeout`).
 Used by `rekv demo` and by the end-to-end tests; logs go to `log_dir`.
 """
@@ -19,14 +20,15 @@ from pathlib import Path
 
 
 class ServiceProcess:
-    def __init__(self, role: str, args: list[str], log_dir: Path, env: dict | None = None):
+    def __init__(self, role: str, args: list[str], log_dir: Path, env: dict | None = None,
+                 prefix: list[str] = ()):
         self.role = role
         self.ready_file = log_dir / f"{role}.ready.json"
         self.log_path = log_dir / f"{role}.log"
         self.ready_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve", role, "--ready-file",
+            [*prefix, sys.executable, "-m", "services.cli", "serve", role, "--ready-file",
              str(self.ready_file), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.info: dict = {}
@@ -59,15 +61,17 @@ class ServiceProcess:
 class ServicePair:
     def __init__(self, prefill_args: list[str] = (), decode_args: list[str] = (),
                  log_dir: str | Path | None = None, env: dict | None = None,
-                 ready_timeout: float = 300.0):
+                 ready_timeout: float = 300.0, prefill_prefix: list[str] = (),
+                 decode_prefix: list[str] = ()):
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rekv-services-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.prefill = ServiceProcess("prefill", list(prefill_args), self.log_dir, env)
+        self.prefill = ServiceProcess("prefill", list(prefill_args), self.log_dir, env,
+                                      prefill_prefix)
         try:
             prefill_info = self.prefill.wait_ready(ready_timeout)
             self.decode = ServiceProcess(
                 "decode", ["--prefill-address", prefill_info["grpc"], *decode_args],
-                self.log_dir, env)
+                self.log_dir, env, decode_prefix)
             self.decode.wait_ready(ready_timeout)
         except BaseException:
             self.prefill.stop()

@@ -34,6 +34,9 @@ class ServiceSettings:
     max_concurrent: int = 4  # requests handled at once; more wait in the queue
     codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
     link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
+    pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
+    profile: str = ""  # `rekv profile` output; empty: measure a short profile at start
+    policy: str = ""  # `rekv gate` output; empty: the policy shipped for the model, if any
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
     ready_file: str = ""  # when set: JSON with the bound ports, written once serving
@@ -53,6 +56,8 @@ class ServiceSettings:
         if unknown or not self.codecs:
             raise ValueError(f"codecs: must be a non-empty subset of {codec_names()}, "
                              f"got {list(self.codecs)}")
+        if self.pace_gbps < 0:
+            raise ValueError(f"pace_gbps: must be >= 0, got {self.pace_gbps}")
         if self.link_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
         if self.role == "decode" and not self.prefill_address:

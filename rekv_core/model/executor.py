@@ -167,7 +167,7 @@ def embed(model: Model, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor
 
 
 def final_logits(model: Model, h_last: torch.Tensor) -> torch.Tensor:
-    """Logits `[vocab]` (float32) from the final residual state of one position `[d]`."""
+    """Logits (float32) from final residual states: `[d]` -> `[vocab]`, `[n, d]` -> `[n, vocab]`."""
     w = model.weights
     return F.linear(rms_norm(h_last, w.final_norm, model.shape.rms_eps), w.lm_head).float()
 
@@ -244,6 +244,32 @@ def decode_step(model: Model, token_id: int, cache: KVCache) -> torch.Tensor:
         h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, shape.rms_eps))
     cache.length = pos + 1
     return final_logits(model, h[-1])
+
+
+@torch.inference_mode()
+def extend(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Append `token_ids` at positions `cache.length`… in one pass (each attends to the cache and to
+    the new tokens before it); return the logits after every one of them, `[n, vocab]` float32.
+    Teacher-forced scoring of a continuation from a cache the handoff built."""
+    shape = model.shape
+    ids = validate_token_ids(token_ids, shape.vocab_size)
+    n, pos = ids.numel(), cache.length
+    if pos + n > cache.capacity:
+        raise ValueError(f"cache: {n} tokens at position {pos} exceed capacity {cache.capacity}")
+    h = embed(model, ids)
+    cos, sin = model.rope(torch.arange(pos, pos + n, device=model.device))
+    allowed = (torch.arange(pos + n, device=model.device)[None, :]
+               <= torch.arange(pos, pos + n, device=model.device)[:, None])
+    for index, lw in enumerate(model.weights.layers):
+        q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, shape.rms_eps), cos, sin)
+        cache.write(index, pos, k, v)
+        k_all, v_all = cache.layer(index, pos + n)
+        out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None],
+                                             attn_mask=allowed, enable_gqa=True)[0]
+        h = h + F.linear(out.transpose(0, 1).reshape(n, -1), lw.wo)
+        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, shape.rms_eps))
+    cache.length = pos + n
+    return final_logits(model, h)
 
 
 def greedy_generate(model: Model, token_ids: Sequence[int], max_new_tokens: int,

@@ -275,9 +275,13 @@ class UcxReceiver(TransportReceiver):
 
 
 class UcxSender(TransportSender):
-    """Prefill side: sends to one receiver address; the endpoint is made once and reused."""
+    """Prefill side: sends to one receiver address; the endpoint is made once and reused.
 
-    def __init__(self, engine: UcxEngine, address: str, connect_timeout: float = 10.0):
+    `pace_gbps` > 0 emulates a slower link: each message is held until a link of that rate would
+    have finished carrying it (messages queue behind each other), then sent."""
+
+    def __init__(self, engine: UcxEngine, address: str, connect_timeout: float = 10.0,
+                 pace_gbps: float = 0.0):
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"address: expected host:port, got {address!r}")
@@ -286,6 +290,18 @@ class UcxSender(TransportSender):
         self._endpoint = engine.call(self._connect(host, int(port)), connect_timeout)
         self._in_flight: dict[str, list] = {}
         self._lock = threading.Lock()
+        self.pace_gbps = pace_gbps
+        self._link_free_at = 0.0
+
+    def _pace(self, nbytes: int) -> float:
+        """Seconds to hold a message of `nbytes` so the link rate is not exceeded."""
+        if self.pace_gbps <= 0:
+            return 0.0
+        now = time.monotonic()
+        with self._lock:
+            start = max(now, self._link_free_at)
+            self._link_free_at = start + nbytes * 8 / (self.pace_gbps * 1e9)
+            return self._link_free_at - now
 
     @staticmethod
     async def _connect(host: str, port: int):
@@ -300,11 +316,14 @@ class UcxSender(TransportSender):
         frame = torch.frombuffer(bytearray(_encode_frame(message)), dtype=torch.uint8)
         parts = [frame.numpy()] + [_wire_view(b) for b in message.buffers.values()]
         # Posted on the engine loop in call order, so the parts of a request leave in order.
-        future = self._engine.submit(self._send_parts(message, parts))
+        future = self._engine.submit(self._send_parts(message, parts,
+                                                      self._pace(message.nbytes)))
         with self._lock:
             self._in_flight.setdefault(message.request_id, []).append(future)
 
-    async def _send_parts(self, message: Message, parts: list) -> None:
+    async def _send_parts(self, message: Message, parts: list, hold: float = 0.0) -> None:
+        if hold > 0:
+            await asyncio.sleep(hold)
         endpoint = self._endpoint
         sends = [endpoint.send(part, tag=message_tag(message.request_id, message.seq, index),
                                force_tag=True)

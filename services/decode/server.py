@@ -27,6 +27,8 @@ from rekv_core.model.tokenizer import GGUFTokenizer
 from rekv_core.model.weights import embedded_gguf_path
 from rekv_core.plan.estimates import Ewma
 from rekv_core.plan.measure import measure_codec_costs, measure_layer_cost
+from rekv_core.plan.planner import RecentRatios
+from rekv_core.plan.profile import Profile
 from rekv_core.transport.ucx import UcxReceiver
 from services.metrics import ServiceMetrics
 from services.rpc import rekv_pb2, rekv_pb2_grpc
@@ -46,10 +48,16 @@ class DecodeWorker(Worker):
         self.tokenizer = load_tokenizer(settings.model)
         self.receiver = UcxReceiver(self.engine, settings.host, settings.ucx_port,
                                     device=self.model.device)
-        self.layer_cost = measure_layer_cost(self.model, lengths=(64, 256, 1024))
-        self.restore_ms_per_mib = {
-            codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[1]
-            for codec in settings.codecs}
+        if settings.profile:
+            profile = Profile.load(settings.profile)
+            self.layer_cost, self.restore_ms_per_mib = profile.layer_cost, {
+                c: ms for c, ms in profile.restore_ms_per_mib.items() if c in settings.codecs}
+        else:
+            self.layer_cost = measure_layer_cost(self.model, lengths=(64, 256, 1024))
+            self.restore_ms_per_mib = {
+                codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[1]
+                for codec in settings.codecs}
+        self.recent = RecentRatios()
         self.join_ms = Ewma(0.0)
         metrics.transport_pending.set_function(
             lambda: sum(v for k, v in self.receiver.pending().items()))
@@ -106,7 +114,8 @@ class DecodeWorker(Worker):
             ucx_address=self.receiver.address, codecs=list(self.settings.codecs),
             suffix_ms_per_layer=gamma, restore_ms_per_mib=self.restore_ms_per_mib,
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
-            model=self.shape.name, num_layers=self.shape.num_layers)
+            model=self.shape.name, num_layers=self.shape.num_layers,
+            measured_over_model=self.recent.medians())
 
     def observe_suffix(self, prompt_len: int, layers: int, seconds: float, in_flight: int) -> None:
         expected = self.layer_cost.at(prompt_len) * layers * max(1, in_flight)
@@ -262,6 +271,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         metrics.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
         if response.predicted_ms > 0:
             metrics.prediction_error.observe(handoff_s * 1e3 / response.predicted_ms)
+        worker.recent.observe(action.kind.value, response.model_ms, handoff_s * 1e3)
         return {
             "cache": result.cache, "logits": result.logits,
             "action": action_to_proto(action), "action_kind": action.kind.value,

@@ -21,9 +21,12 @@ import grpc
 from rekv_core.codecs import codec_names
 from rekv_core.handoff import Action, send_handoff
 from rekv_core.model import prefill
-from rekv_core.plan import CostInputs, choose, predict
+from rekv_core.plan import CostInputs, predict
 from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.plan.measure import measure_codec_costs
+from rekv_core.plan.planner import Planner
+from rekv_core.plan.policy import Policy, shipped_policy
+from rekv_core.plan.profile import Profile
 from rekv_core.transport.ucx import UcxSender
 from services.metrics import ServiceMetrics
 from services.rpc import rekv_pb2, rekv_pb2_grpc
@@ -40,9 +43,17 @@ class PrefillWorker(Worker):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         super().__init__(settings, metrics)
         self.link = LinkEstimate(settings.link_gbps)
-        self.quantize_ms_per_mib = {
-            codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[0]
-            for codec in settings.codecs}
+        if settings.profile:
+            self.quantize_ms_per_mib = Profile.load(settings.profile).quantize_ms_per_mib
+        else:
+            self.quantize_ms_per_mib = {
+                codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[0]
+                for codec in settings.codecs}
+        policy = Policy.load(settings.policy) if settings.policy else shipped_policy(
+            self.shape.name)
+        if policy is not None and policy.model != self.shape.name:
+            raise ValueError(f"policy: written for {policy.model}, serving {self.shape.name}")
+        self.planner = Planner(policy)
         self._senders: dict[str, UcxSender] = {}
         self._senders_lock = threading.Lock()
         self._compute = threading.Lock()
@@ -56,7 +67,8 @@ class PrefillWorker(Worker):
     def sender(self, address: str) -> UcxSender:
         with self._senders_lock:
             if address not in self._senders:
-                self._senders[address] = UcxSender(self.engine, address)
+                self._senders[address] = UcxSender(self.engine, address,
+                                                   pace_gbps=self.settings.pace_gbps)
             return self._senders[address]
 
     def validate(self, request) -> None:
@@ -84,17 +96,21 @@ class PrefillWorker(Worker):
         if request.HasField("forced_action"):
             action_from_proto(request.forced_action, self.shape.num_layers)
 
-    def decide(self, request) -> tuple[Action, float, list]:
+    def decide(self, request):
+        """(action, predicted ms, eq. 9 ms, candidates): forced, or the planner's choice."""
         offer = request.offer
         inputs = CostInputs(self.shape, len(request.token_ids), self.link.gbps,
                             offer.suffix_ms_per_layer, self.quantize_ms_per_mib,
                             max(offer.restore_ms_per_mib.values(), default=0.0), offer.join_ms)
         eligible = [c for c in self.settings.codecs if c in offer.codecs] or ["bf16"]
-        predictions = choose(inputs, eligible)
+        decision = self.planner.decide(inputs, eligible, offer.measured_over_model)
         if request.HasField("forced_action"):
             action = action_from_proto(request.forced_action, self.shape.num_layers)
-            return action, predict(action, inputs).total_ms, predictions
-        return predictions[0].action, predictions[0].total_ms, predictions
+            model_ms = predict(action, inputs).total_ms
+            factor = offer.measured_over_model.get(action.kind.value, 1.0)
+            return action, model_ms * factor, model_ms, decision.candidates
+        model_ms = decision.candidates[0][0].total_ms
+        return decision.action, decision.predicted_ms, model_ms, decision.candidates
 
     def handoff(self, request, action: Action, deadline_s: float | None) -> dict:
         ids = list(request.token_ids)
@@ -132,7 +148,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         metrics.in_flight.inc()
         try:
             worker.validate(request)
-            action, predicted_ms, predictions = worker.decide(request)
+            action, predicted_ms, model_ms, candidates = worker.decide(request)
             done = await asyncio.to_thread(worker.handoff, request, action,
                                            context.time_remaining())
         except BaseException as exc:
@@ -162,10 +178,11 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         return rekv_pb2.HandoffResponse(
             action=action_to_proto(action), action_kind=action.kind.value,
             predicted_ms=predicted_ms,
+            model_ms=model_ms,
             candidates=[rekv_pb2.Candidate(action=action_to_proto(p.action),
                                            action_kind=p.action.kind.value,
-                                           predicted_ms=p.total_ms, bytes=p.bytes)
-                        for p in predictions],
+                                           predicted_ms=ms, bytes=p.bytes)
+                        for p, ms in candidates],
             prefill_ms=done["prefill_s"] * 1e3, q_ms=report.quantize_seconds * 1e3,
             send_ms=done["send_s"] * 1e3, bytes=wire_bytes_to_proto(report.bytes),
             link_gbps_estimate=worker.link.gbps)

@@ -137,8 +137,15 @@ class HandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model")
     class RestoreMsPerMibEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MeasuredOverModelEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +161,7 @@ class DecodeOffer(_message.Message):
     HANDOFFS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_OVER_MODEL_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -163,10 +171,11 @@ class DecodeOffer(_message.Message):
     handoffs_in_flight: int
     model: str
     num_layers: int
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ...) -> None: ...
+    measured_over_model: _containers.ScalarMap[str, float]
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
-    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate")
+    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +185,7 @@ class HandoffResponse(_message.Message):
     SEND_MS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_GBPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_MS_FIELD_NUMBER: _ClassVar[int]
     action: Action
     action_kind: str
     predicted_ms: float
@@ -185,7 +195,8 @@ class HandoffResponse(_message.Message):
     send_ms: float
     bytes: WireBytes
     link_gbps_estimate: float
-    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ...) -> None: ...
+    model_ms: float
+    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ..., model_ms: _Optional[float] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "bytes")

@@ -1,0 +1,185 @@
+"""The quality gate (seed section 2.4): which actions (b, c) keep the model's output.
+
+For each prompt (a window of the evaluation text), the BF16 prefill of its S prompt tokens gives
+the reference cache. An action's reconstructed cache holds layers 0..c−1 through codec b's round
+trip and layers c..L−1 unchanged: the suffix recomputed from the BF16 boundary h_c is bit-identical
+to the prefill's on the same device and dtype (tested in `tests/test_executor_exactness.py`), so
+the gate does not re-run it. Both caches then score the same continuation teacher-forced
+(`extend`): the next token after the prompt (the first one decoded from the handed-off cache),
+then `continuation` tokens.
+
+Per action, over all prompts:
+- next-token top-1 agreement with BF16 at the first decoded position, and its mean KL divergence;
+- top-1 agreement and mean KL over the whole continuation (reported);
+- continuation perplexity, and its rise relative to BF16's;
+- passkey retrieval: prompts of about S tokens with the key at several depths, greedy answers from
+  both caches; the action passes where BF16 passes.
+An action is eligible when every first-position top-1 equals BF16's, the perplexity rises by at
+most `epsilon` (relative), and every passkey BF16 finds, it finds. Anything else is a failure,
+whatever the action's speed, and the verdict says which criterion failed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from rekv_core.codecs import get_codec
+from rekv_core.eval.needle import answer_found, passkey_prompt
+from rekv_core.model import KVCache, Model, decode_greedy, extend, prefill
+from rekv_core.plan.policy import Policy
+
+
+@dataclass
+class GateConfig:
+    prompt_len: int = 2048
+    prompts: int = 32
+    continuation: int = 256
+    epsilon: float = 0.01
+    needle_depths: Sequence[float] = (0.1, 0.5, 0.9)
+    needle_tokens: int = 10
+
+
+@dataclass
+class _Tally:
+    first_agree: int = 0
+    first_kl: float = 0.0
+    all_agree: int = 0
+    all_kl: float = 0.0
+    positions: int = 0
+    nll: float = 0.0
+    scored: int = 0
+    prompts: int = 0
+    needles: list = field(default_factory=list)
+
+
+def text_windows(ids: Sequence[int], length: int, count: int) -> list[list[int]]:
+    """`count` windows of `length` tokens spread evenly over `ids`."""
+    if len(ids) < length:
+        raise ValueError(f"text: {len(ids)} tokens, need at least {length} for one window")
+    step = max(1, (len(ids) - length) // max(1, count - 1))
+    starts = [min(i * step, len(ids) - length) for i in range(count)]
+    return [list(ids[s:s + length]) for s in starts]
+
+
+def reconstructed_cache(keys, values, codec_name: str, cut: int, capacity: int) -> KVCache:
+    codec = get_codec(codec_name)
+    new_keys, new_values = [], []
+    for index, (k, v) in enumerate(zip(keys, values)):
+        if index < cut:
+            k2, v2 = codec.decode(codec.encode(k, v, checksums=False), verify=False)
+            k, v = k2.to(k.dtype), v2.to(v.dtype)
+        new_keys.append(k)
+        new_values.append(v)
+    return KVCache.from_layers(new_keys, new_values, capacity)
+
+
+def _score(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor, tally: _Tally,
+           nll_only: bool = False) -> None:
+    logp = F.log_softmax(logits.float(), dim=-1)
+    if not nll_only:
+        ref_logp = F.log_softmax(reference.float(), dim=-1)
+        kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # KL(BF16 || action) per position
+        agree = logits.argmax(-1) == reference.argmax(-1)
+        tally.first_agree += int(agree[0])
+        tally.first_kl += float(kl[0])
+        tally.all_agree += int(agree.sum())
+        tally.all_kl += float(kl.sum())
+        tally.positions += agree.numel()
+    tally.nll -= float(logp[:-1].gather(-1, targets[:, None]).sum())
+    tally.scored += targets.numel()
+    tally.prompts += 1
+
+
+def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
+             actions: Sequence[tuple[str, int]], config: GateConfig,
+             progress: Callable[[str], None] = lambda _: None) -> Policy:
+    S, T = config.prompt_len, config.continuation
+    windows = text_windows(text_ids, S + 1 + T, config.prompts)
+    reference = _Tally()
+    tallies = {a: _Tally() for a in actions}
+    capacity = S + 1 + T
+    for number, window in enumerate(windows, 1):
+        prompt, follow = window[:S], torch.tensor(window[S:])
+        state = prefill(model, prompt, boundaries=())
+        ref_cache = KVCache.from_layers(state.keys, state.values, capacity)
+        ref_logits = extend(model, follow, ref_cache)  # predicts follow[1:], then one more
+        _score(ref_logits, ref_logits, follow[1:], reference, nll_only=True)
+        for codec, cut in actions:
+            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity)
+            _score(extend(model, follow, cache), ref_logits, follow[1:], tallies[codec, cut])
+        progress(f"prompt {number}/{len(windows)} scored")
+    _needles(model, tokenizer, actions, config, reference, tallies, progress)
+    return _verdicts(model, actions, config, reference, tallies)
+
+
+def _needles(model, tokenizer, actions, config, reference, tallies, progress) -> None:
+    filler = _filler_repeats(tokenizer, config.prompt_len)
+    for depth in config.needle_depths:
+        key = 10000 + int(depth * 80000) + 17
+        ids = tokenizer.encode(passkey_prompt(key, filler, depth))
+        state = prefill(model, ids, boundaries=())
+        capacity = len(ids) + config.needle_tokens
+        ref_cache = KVCache.from_layers(state.keys, state.values, capacity)
+        ref = tokenizer.decode(decode_greedy(model, state.logits, ref_cache,
+                                             config.needle_tokens))
+        reference.needles.append({"depth": depth, "found": answer_found(ref, key)})
+        for codec, cut in actions:
+            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity)
+            # the first token comes from the suffix (or the head) in BF16: same logits as BF16's
+            out = tokenizer.decode(decode_greedy(model, state.logits, cache, config.needle_tokens))
+            tallies[codec, cut].needles.append({"depth": depth, "found": answer_found(out, key)})
+        progress(f"passkey at depth {depth}: BF16 {'found' if reference.needles[-1]['found'] else 'missed'} it")
+
+
+def _filler_repeats(tokenizer, target_tokens: int) -> int:
+    per_repeat = len(tokenizer.encode(passkey_prompt(12345, 10))) - len(
+        tokenizer.encode(passkey_prompt(12345, 0)))
+    base = len(tokenizer.encode(passkey_prompt(12345, 0)))
+    return max(0, (target_tokens - base) * 10 // max(1, per_repeat))
+
+
+def _verdicts(model, actions, config, reference, tallies) -> Policy:
+    ref_ppl = math.exp(reference.nll / reference.scored)
+    verdicts, max_cut = [], {}
+    for (codec, cut), t in tallies.items():
+        ppl = math.exp(t.nll / t.scored)
+        rise = ppl / ref_ppl - 1
+        needles_ok = all(n["found"] or not r["found"] for n, r in zip(t.needles, reference.needles))
+        reasons = []
+        if t.first_agree < t.prompts:
+            reasons.append(f"next-token top-1 differs on {t.prompts - t.first_agree} of "
+                           f"{t.prompts} prompts")
+        if rise > config.epsilon:
+            reasons.append(f"perplexity rises {rise:.3%} > {config.epsilon:.0%}")
+        if not needles_ok:
+            reasons.append("misses a passkey BF16 finds")
+        verdicts.append({
+            "codec": codec, "cut": cut, "eligible": not reasons, "reasons": reasons,
+            "next_token_top1_agreement": t.first_agree / t.prompts,
+            "next_token_kl": t.first_kl / t.prompts,
+            "continuation_top1_agreement": t.all_agree / t.positions,
+            "continuation_kl": t.all_kl / t.positions,
+            "perplexity": ppl, "bf16_perplexity": ref_ppl, "perplexity_rise": rise,
+            "needles": t.needles})
+        if codec not in max_cut:
+            max_cut[codec] = 0
+    for codec in max_cut:
+        cuts = sorted(v["cut"] for v in verdicts if v["codec"] == codec)
+        passed = 0
+        for cut in cuts:  # the largest cut below which every evaluated cut passed
+            if not next(v for v in verdicts if v["codec"] == codec and v["cut"] == cut)[
+                    "eligible"]:
+                break
+            passed = cut
+        max_cut[codec] = passed
+    return Policy(model=model.shape.name, prompt_len_range=(1, config.prompt_len),
+                  max_cut=max_cut, epsilon=config.epsilon, verdicts=verdicts,
+                  meta={"prompt_len": config.prompt_len, "prompts": config.prompts,
+                        "continuation": config.continuation,
+                        "needle_depths": list(config.needle_depths),
+                        "bf16_needles": reference.needles, "dtype": str(model.dtype)})

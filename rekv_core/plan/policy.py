@@ -1,0 +1,77 @@
+"""The policy file: which actions passed the quality gate for a model and a prompt-length range.
+
+JSON written by `rekv gate`, read by the planner and the services:
+
+    {"model": "smollm2-135m", "prompt_len_range": [lo, hi], "epsilon": 0.01,
+     "eligible": [{"codec": "int8", "max_cut": 30}, {"codec": "bf16", "max_cut": 30}],
+     "verdicts": [{"codec": ..., "cut": ..., "eligible": ..., "reasons": [...], figures...}],
+     "meta": {...}}
+
+A codec's eligible cuts are 1..max_cut (layers 0..c−1 travel in that codec; fewer quantized layers
+never add error, so a passing cut vouches for every smaller one); `max_cut: 0` means the codec is
+not eligible. Token-only (c = 0) and BF16 are lossless and always eligible. The embedded model's
+policy ships in `rekv_core/plan/policies/`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from rekv_core.handoff import Action
+
+
+@dataclass
+class Policy:
+    model: str
+    prompt_len_range: tuple[int, int]
+    max_cut: dict[str, int]  # codec -> largest eligible cut
+    epsilon: float = 0.01
+    verdicts: list[dict] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def eligible(self, action: Action) -> bool:
+        if action.cut == 0 or action.codec == "bf16":
+            return True
+        return action.cut <= self.max_cut.get(action.codec, 0)
+
+    def codecs(self) -> list[str]:
+        return ["bf16", *(c for c, cut in self.max_cut.items() if cut > 0 and c != "bf16")]
+
+    def covers(self, prompt_len: int) -> bool:
+        low, high = self.prompt_len_range
+        return low <= prompt_len <= high
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "prompt_len_range": list(self.prompt_len_range),
+                "epsilon": self.epsilon,
+                "eligible": [{"codec": c, "max_cut": m} for c, m in self.max_cut.items()],
+                "verdicts": self.verdicts, "meta": self.meta}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict) -> Policy:
+        try:
+            return cls(model=data["model"], prompt_len_range=tuple(data["prompt_len_range"]),
+                       max_cut={e["codec"]: int(e["max_cut"]) for e in data["eligible"]},
+                       epsilon=float(data.get("epsilon", 0.01)),
+                       verdicts=list(data.get("verdicts", [])), meta=dict(data.get("meta", {})))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"policy: malformed ({exc!r})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Policy:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def shipped_policy(model: str) -> Policy | None:
+    """The policy that ships with the package for `model`, if any."""
+    resource = resources.files("rekv_core.plan").joinpath("policies", f"{model}.json")
+    if not resource.is_file():
+        return None
+    return Policy.from_json(json.loads(resource.read_text()))

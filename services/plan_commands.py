@@ -1,0 +1,174 @@
+"""`rekv profile`, `rekv gate` and `rekv plan`: measuring, gating and asking the planner."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _csv(kind):
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def _runtime_flags(parser) -> None:
+    parser.add_argument("--model", default=None, help="model source (env REKV_MODEL)")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (env REKV_DEVICE)")
+    parser.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (env REKV_TORCH_THREADS; 0 = all cores)")
+
+
+def _load_model(args):
+    from rekv_core.model import Model, load_weights
+    from rekv_core.settings import RuntimeSettings
+
+    settings = RuntimeSettings.from_env(model=args.model, device=args.device, dtype=args.dtype,
+                                        torch_threads=args.threads)
+    settings.apply_threads()
+    return Model(load_weights(settings.model, settings.torch_dtype, settings.device)), settings
+
+
+def add_plan_parsers(sub) -> None:
+    profile = sub.add_parser("profile", help="measure per-layer costs on this machine")
+    _runtime_flags(profile)
+    profile.add_argument("--lengths", type=_csv(int), default=[64, 256, 1024, 2048],
+                         help="prompt lengths for the layer cost (default 64,256,1024,2048)")
+    profile.add_argument("--codecs", type=_csv(str), default=["bf16", "int8", "int4"])
+    profile.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    profile.set_defaults(func=cmd_profile)
+
+    gate = sub.add_parser("gate", help="evaluate actions against BF16 and write a policy")
+    _runtime_flags(gate)
+    gate.add_argument("--text", required=True, help="plain-text evaluation corpus, e.g. "
+                      "WikiText-2's wiki.test.raw")
+    gate.add_argument("--prompt-len", type=int, default=2048)
+    gate.add_argument("--prompts", type=int, default=32)
+    gate.add_argument("--continuation", type=int, default=256)
+    gate.add_argument("--codecs", type=_csv(str), default=["int8", "int4"])
+    gate.add_argument("--cuts", type=_csv(int), default=None,
+                      help="cuts to evaluate (default every 3rd layer and L)")
+    gate.add_argument("--epsilon", type=float, default=0.01,
+                      help="largest relative perplexity rise allowed (default 0.01)")
+    gate.add_argument("--out", required=True, help="the policy file to write (JSON)")
+    gate.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON")
+    gate.set_defaults(func=cmd_gate)
+
+    plan = sub.add_parser("plan", help="the action the planner would choose, and why")
+    plan.add_argument("--model", default="smollm2-135m", help="a preset name")
+    plan.add_argument("--prompt-len", type=int, required=True)
+    plan.add_argument("--link-gbps", type=float, required=True)
+    plan.add_argument("--profile", default=None, help="`rekv profile` output (default: the "
+                      "profile shipped for the model)")
+    plan.add_argument("--policy", default=None, help="`rekv gate` output (default: the policy "
+                      "shipped for the model; none: lossless actions only)")
+    plan.add_argument("--codecs", type=_csv(str), default=["bf16", "int8", "int4"])
+    plan.add_argument("--load", type=int, default=1, help="handoffs in flight on the decode "
+                      "worker (scales its suffix cost)")
+    plan.add_argument("--json", action="store_true", help="print one JSON object instead")
+    plan.set_defaults(func=cmd_plan)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from rekv_core.plan.profile import measure_profile
+
+    model, settings = _load_model(args)
+    profile = measure_profile(model, args.codecs, args.lengths)
+    profile.save(args.out)
+    print(json.dumps(profile.to_json(), indent=1))
+    return 0
+
+
+def cmd_gate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rekv_core.codecs import get_codec
+    from rekv_core.model.tokenizer import GGUFTokenizer
+    from rekv_core.model.weights import embedded_gguf_path
+    from rekv_core.plan.gate import GateConfig, run_gate
+
+    for codec in args.codecs:
+        get_codec(codec)
+    text = Path(args.text).read_text(encoding="utf-8")
+    model, settings = _load_model(args)
+    if settings.model != "smollm2-135m" and not settings.model.endswith(".gguf"):
+        raise ValueError("model: the gate needs a tokenizer (the embedded model or a .gguf)")
+    gguf = embedded_gguf_path() if settings.model == "smollm2-135m" else settings.model
+    tokenizer = GGUFTokenizer.from_gguf(gguf)
+    L = model.shape.num_layers
+    cuts = args.cuts or sorted({*range(3, L, 3), L})
+    for cut in cuts:
+        if not 1 <= cut <= L:
+            raise ValueError(f"cuts: each must lie in [1, {L}], got {cut}")
+    console = Console(stderr=True)
+    config = GateConfig(prompt_len=args.prompt_len, prompts=args.prompts,
+                        continuation=args.continuation, epsilon=args.epsilon)
+    policy = run_gate(model, tokenizer, tokenizer.encode(text),
+                      [(codec, cut) for codec in args.codecs for cut in cuts], config,
+                      progress=console.log)
+    policy.meta.update({"text": Path(args.text).name,
+                        "command": "rekv " + " ".join(sys.argv[1:])})
+    policy.save(args.out)
+    table = Table(title=f"Quality gate, {model.shape.name}, S = {args.prompt_len}, "
+                        f"{args.prompts} prompts + {args.continuation} tokens")
+    for column in ("codec", "cut", "eligible", "next-token top-1", "next-token KL",
+                   "cont. top-1", "ppl rise", "passkeys", "why not"):
+        table.add_column(column)
+    for v in policy.verdicts:
+        table.add_row(v["codec"], str(v["cut"]), "yes" if v["eligible"] else "no",
+                      f"{v['next_token_top1_agreement']:.3f}", f"{v['next_token_kl']:.2e}",
+                      f"{v['continuation_top1_agreement']:.3f}", f"{v['perplexity_rise']:+.3%}",
+                      f"{sum(n['found'] for n in v['needles'])}/{len(v['needles'])}",
+                      "; ".join(v["reasons"]))
+    Console(width=180).print(table)
+    print(f"BF16 perplexity {policy.verdicts[0]['bf16_perplexity']:.3f}; passkeys found by BF16: "
+          f"{sum(n['found'] for n in policy.meta['bf16_needles'])}/"
+          f"{len(policy.meta['bf16_needles'])}; eligible: "
+          + ", ".join(f"{c} up to cut {m}" for c, m in policy.max_cut.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps(policy.to_json(), indent=1) + "\n")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rekv_core.model.shapes import get_preset
+    from rekv_core.plan import CostInputs
+    from rekv_core.plan.planner import Planner
+    from rekv_core.plan.policy import Policy, shipped_policy
+    from rekv_core.plan.profile import Profile, shipped_profile
+
+    shape = get_preset(args.model)
+    profile = Profile.load(args.profile) if args.profile else shipped_profile(args.model)
+    if profile is None:
+        raise ValueError(f"profile: none ships for {args.model}; run `rekv profile` and pass "
+                         f"--profile")
+    policy = Policy.load(args.policy) if args.policy else shipped_policy(args.model)
+    if args.prompt_len < 1:
+        raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
+    inputs = CostInputs(shape, args.prompt_len, args.link_gbps,
+                        profile.layer_cost.at(args.prompt_len) * max(1, args.load),
+                        profile.quantize_ms_per_mib,
+                        max(profile.restore_ms_per_mib.values(), default=0.0))
+    decision = Planner(policy).decide(inputs, args.codecs)
+    if args.json:
+        print(json.dumps(decision.as_dict()))
+        return 0
+    console = Console()
+    console.print(f"{shape.name}, S = {args.prompt_len}, link {args.link_gbps:g} Gb/s, profile "
+                  f"{profile.device}/{profile.dtype}, policy "
+                  f"{'none (lossless only)' if policy is None else policy.max_cut}")
+    console.print(f"[bold]chosen: {decision.action} — predicted {decision.predicted_ms:.1f} ms")
+    table = Table(title="best candidates (all eligible actions are ranked; --json lists them)")
+    for column in ("action", "codec", "cut", "predicted ms", "H", "X", "R", "MiB"):
+        table.add_column(column)
+    for p, ms in decision.candidates[:12]:
+        table.add_row(p.action.kind.value, p.action.codec, str(p.action.cut), f"{ms:.1f}",
+                      f"{p.h_ms:.1f}", f"{p.x_ms:.1f}", f"{p.r_ms:.1f}",
+                      f"{p.bytes / 2**20:.2f}")
+    console.print(table)
+    return 0

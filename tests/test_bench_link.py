@@ -1,0 +1,66 @@
+"""`rekv bench link` end to end at a tiny size: real services, a real shaped veth pair between two
+namespaces (as root), and the loopback fallback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rekv_core.bench.netns import EmulatedLink, unavailable
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+
+
+def _bench(tmp_path, *extra):
+    out, png = tmp_path / "link.json", tmp_path / "link.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "link", "--prompt-len", "32",
+         "--link-gbps", "2", "--cuts", "15", "--warmups", "1", "--runs", "2", "--json", str(out),
+         "--plot", str(png), "--log-dir", str(tmp_path / "logs"), *extra],
+        capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(out.read_text()), png, result
+
+
+def _check(report, png):
+    rows = report["rows"]
+    labels = [r["label"] for r in rows]
+    assert labels[:3] == ["BF16", "int8 only", "tokens"]
+    assert {"BF16 c=15", "int8 c=15"} <= set(labels) and labels[-1].startswith("planner: ")
+    for r in rows:
+        assert len(r["samples_ms"]) == 2 and r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
+        assert r["fallbacks"] == 0 and r["link_gbps"] == 2.0
+    (point,) = report["points"]
+    assert point["best"]["median_ms"] <= min(r["median_ms"] for r in rows if not r["planner"])
+    assert isinstance(point["planner_within_10pct"], bool)
+    assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"emulated link: {unavailable()}")
+def test_link_bench_across_a_shaped_veth_pair(tmp_path):
+    before = _namespaces()
+    report, png, _ = _bench(tmp_path)
+    _check(report, png)
+    assert "tc tbf" in report["meta"]["link"]
+    assert _namespaces() == before  # the run removed what it made
+
+
+def test_link_bench_falls_back_to_paced_loopback(tmp_path):
+    report, png, result = _bench(tmp_path, "--loopback")
+    _check(report, png)
+    assert report["meta"]["link"].startswith("loopback")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root")
+def test_emulated_link_is_removed_even_after_an_error():
+    before = _namespaces()
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedLink(1.0) as link:
+            assert link.prefill_ns in _namespaces()
+            raise RuntimeError("boom")
+    assert _namespaces() == before

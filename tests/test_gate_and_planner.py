@@ -1,0 +1,113 @@
+"""Teacher-forced scoring (`extend`), the quality gate on real weights at a small size, the policy
+file and the planner's use of it."""
+
+import json
+
+import pytest
+import torch
+
+from rekv_core.handoff import Action
+from rekv_core.model import KVCache, decode_step, extend, prefill
+from rekv_core.model.shapes import get_preset
+from rekv_core.plan import CostInputs
+from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
+from rekv_core.plan.planner import Planner, RecentRatios
+from rekv_core.plan.policy import Policy, shipped_policy
+
+TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
+        "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
+
+
+def test_extend_equals_prefill_and_decode_steps(smollm_fp32, tokenizer):
+    ids = tokenizer.encode(TEXT)[:40]
+    full = prefill(smollm_fp32, ids, boundaries=())
+    head = prefill(smollm_fp32, ids[:30], boundaries=())
+    cache = KVCache.from_layers(head.keys, head.values, 40)
+    logits = extend(smollm_fp32, ids[30:], cache)
+    assert logits.shape == (10, smollm_fp32.shape.vocab_size) and cache.length == 40
+    torch.testing.assert_close(logits[-1], full.logits, atol=2e-3, rtol=2e-3)
+    for layer in (0, 29):
+        torch.testing.assert_close(cache.layer(layer)[0], full.keys[layer], atol=2e-3, rtol=2e-3)
+    stepwise = KVCache.from_layers(head.keys, head.values, 40)
+    for position, token in enumerate(ids[30:]):
+        step = decode_step(smollm_fp32, token, stepwise)
+        torch.testing.assert_close(logits[position], step, atol=2e-3, rtol=2e-3)
+
+
+def test_reconstructed_cache_quantizes_only_the_prefix(smollm_bf16, tokenizer):
+    state = prefill(smollm_bf16, tokenizer.encode(TEXT)[:24], boundaries=())
+    cache = reconstructed_cache(state.keys, state.values, "int8", 10, 24)
+    assert not torch.equal(cache.layer(3)[0], state.keys[3])
+    assert torch.equal(cache.layer(10)[0], state.keys[10])
+    assert torch.equal(cache.layer(29)[1], state.values[29])
+
+
+def test_gate_passes_int8_and_names_what_fails(smollm_bf16, tokenizer):
+    ids = tokenizer.encode(TEXT)
+    config = GateConfig(prompt_len=48, prompts=3, continuation=24, needle_depths=(0.5,))
+    policy = run_gate(smollm_bf16, tokenizer, ids, [("int8", 15), ("int8", 30), ("int4", 30)],
+                      config)
+    verdicts = {(v["codec"], v["cut"]): v for v in policy.verdicts}
+    assert set(verdicts) == {("int8", 15), ("int8", 30), ("int4", 30)}
+    for v in verdicts.values():
+        assert 0 <= v["next_token_top1_agreement"] <= 1 and v["next_token_kl"] >= 0
+        assert v["eligible"] == (not v["reasons"])
+    assert verdicts["int8", 15]["perplexity_rise"] < verdicts["int4", 30]["perplexity_rise"]
+    assert verdicts["int4", 30]["continuation_kl"] > verdicts["int8", 30]["continuation_kl"]
+    for codec, cut in policy.max_cut.items():
+        for v in policy.verdicts:
+            if v["codec"] == codec and v["cut"] <= cut:
+                assert v["eligible"]
+    assert policy.meta["prompts"] == 3 and len(policy.meta["bf16_needles"]) == 1
+
+
+def test_text_windows_cover_the_text():
+    windows = text_windows(list(range(100)), 10, 4)
+    assert [w[0] for w in windows] == [0, 30, 60, 90] and all(len(w) == 10 for w in windows)
+    with pytest.raises(ValueError, match="text"):
+        text_windows([1, 2], 10, 1)
+
+
+def _policy(max_cut):
+    return Policy("smollm2-135m", (1, 2048), max_cut)
+
+
+def test_policy_round_trips_and_gates_actions(tmp_path):
+    policy = _policy({"int8": 21, "int4": 0})
+    path = tmp_path / "p.json"
+    policy.save(path)
+    loaded = Policy.load(path)
+    assert loaded.max_cut == {"int8": 21, "int4": 0}
+    assert loaded.eligible(Action("int8", 21, 30)) and not loaded.eligible(Action("int8", 24, 30))
+    assert not loaded.eligible(Action("int4", 3, 30))
+    assert loaded.eligible(Action("bf16", 30, 30)) and loaded.eligible(Action.token_only(30))
+    path.write_text(json.dumps({"model": "x"}))
+    with pytest.raises(ValueError, match="policy"):
+        Policy.load(path)
+
+
+def test_planner_keeps_to_eligible_actions_and_applies_corrections():
+    shape = get_preset("smollm2-135m")
+    inputs = CostInputs(shape, 2048, 0.4, 30.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+    free = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"])
+    assert free.action.kind.value == "joint"
+    capped = Planner(_policy({"int8": 8})).decide(inputs, ["bf16", "int8"])
+    assert all(p.action.codec != "int8" or p.action.cut <= 8 for p, _ in capped.candidates)
+    assert Planner(None).decide(inputs, ["int8", "bf16"]).action.codec == "bf16"
+    outside = Planner(_policy({"int8": 30})).decide(
+        CostInputs(shape, 4096, 0.4, 30.0, {"int8": 0.5}), ["int8", "bf16"])
+    assert outside.action.codec == "bf16" or outside.action.cut == 0
+    slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
+                                                       {"joint": 10.0})
+    assert slow_joint.action.kind.value != "joint"  # measured 10x slower than modelled
+    ratios = RecentRatios(window=3)
+    for measured in (10, 20, 30, 40):
+        ratios.observe("joint", 10.0, measured)
+    assert ratios.medians() == {"joint": 3.0}
+
+
+def test_shipped_policy_is_valid_if_present():
+    policy = shipped_policy("smollm2-135m")
+    if policy is not None:
+        assert policy.model == "smollm2-135m" and policy.verdicts
+        assert shipped_policy("no-such-model") is None
