@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from rekv_core.bench.handoff import LinkRate, machine_info, prompt_ids, time_compute_all
 from rekv_core.bench.netns import DECODE_ADDRESS, PREFILL_ADDRESS, EmulatedLink, unavailable
 from rekv_core.bench.stats import median_ci
@@ -123,7 +125,8 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
     finally:
         if link:
             link.close()
-    return {"meta": {**machine_info(model, 0), "model": shape.name, "num_layers": L,
+    return {"meta": {**machine_info(model, torch.get_num_threads()), "model": shape.name,
+                     "num_layers": L,
                      "warmups": config.warmups, "runs": config.runs, "cuts": cuts,
                      "link": "veth + tc tbf in two network namespaces" if not why_not
                      else f"loopback, paced UCX sends ({why_not})",

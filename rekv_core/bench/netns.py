@@ -1,8 +1,8 @@
 """An emulated cross-node link: two network namespaces joined by a veth pair, shaped with `tc tbf`.
 
 `EmulatedLink()` creates namespaces `rekv<id>p` (prefill side) and `rekv<id>d` (decode side), a
-veth pair between them with the link-local addresses 169.254.213.1 and .2, and a token-bucket
-filter (`tbf`) on both ends; `set_rate(gbps)` reshapes it. Traffic between the two addresses only
+veth pair between them with the addresses 10.213.0.1 and .2, which exist only inside those
+namespaces, and a token-bucket filter (`tbf`) on both ends; `set_rate(gbps)` reshapes it. Traffic between the two addresses only
 ever crosses this pair. `close()` (also on `with` exit, even after an error) deletes both
 namespaces, which removes the pair. It needs root and the `ip` and `tc` commands; `unavailable()`
 says why when they are missing. This kernel's `tc` has no `netem`: there is no delay or loss
@@ -16,8 +16,10 @@ import shutil
 import subprocess
 import uuid
 
-PREFILL_ADDRESS = "169.254.213.1"
-DECODE_ADDRESS = "169.254.213.2"
+# Private addresses that exist only inside the two namespaces this module makes. (UCX's TCP
+# transport does not use link-local 169.254/16 interfaces, so those cannot serve.)
+PREFILL_ADDRESS = "10.213.0.1"
+DECODE_ADDRESS = "10.213.0.2"
 
 
 def unavailable() -> str | None:

@@ -42,6 +42,10 @@ class LinkEstimate:
     def gbps(self) -> float:
         return self._rate.value
 
+    @property
+    def samples(self) -> int:
+        return self._rate.samples
+
     def observe(self, nbytes: int, seconds: float) -> float:
         if nbytes >= self.min_bytes and seconds > 0:
             self._rate.update(nbytes * 8 / seconds / 1e9)

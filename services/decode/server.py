@@ -58,6 +58,7 @@ class DecodeWorker(Worker):
                 codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[1]
                 for codec in settings.codecs}
         self.recent = RecentRatios()
+        metrics.link.set_function(lambda: self.receiver.link.gbps)
         self.join_ms = Ewma(0.0)
         metrics.transport_pending.set_function(
             lambda: sum(v for k, v in self.receiver.pending().items()))
@@ -115,7 +116,8 @@ class DecodeWorker(Worker):
             suffix_ms_per_layer=gamma, restore_ms_per_mib=self.restore_ms_per_mib,
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
             model=self.shape.name, num_layers=self.shape.num_layers,
-            measured_over_model=self.recent.medians())
+            measured_over_model=self.recent.medians(),
+            link_gbps=self.receiver.link.gbps if self.receiver.link.samples else 0.0)
 
     def observe_suffix(self, prompt_len: int, layers: int, seconds: float, in_flight: int) -> None:
         expected = self.layer_cost.at(prompt_len) * layers * max(1, in_flight)

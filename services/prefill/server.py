@@ -99,7 +99,8 @@ class PrefillWorker(Worker):
     def decide(self, request):
         """(action, predicted ms, eq. 9 ms, candidates): forced, or the planner's choice."""
         offer = request.offer
-        inputs = CostInputs(self.shape, len(request.token_ids), self.link.gbps,
+        link_gbps = offer.link_gbps if offer.link_gbps > 0 else self.link.gbps
+        inputs = CostInputs(self.shape, len(request.token_ids), link_gbps,
                             offer.suffix_ms_per_layer, self.quantize_ms_per_mib,
                             max(offer.restore_ms_per_mib.values(), default=0.0), offer.join_ms)
         eligible = [c for c in self.settings.codecs if c in offer.codecs] or ["bf16"]
