@@ -59,3 +59,15 @@ def test_layer_cost_interpolates_and_grows_beyond_the_profile():
     assert cost.at(2048) > 2 * cost.at(1024)  # the last segment grew faster than linearly
     with pytest.raises(ValueError):
         LayerCost([], [])
+
+
+def test_per_message_cost_favours_fewer_messages():
+    base = _inputs(10.0, gamma=2.0, S=256)
+    costly = CostInputs(SHAPE, 256, 10.0, 2.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0,
+                        message_ms=3.0)
+    joint = Action("int8", 20, L)
+    assert predict(joint, costly).x_ms == pytest.approx(predict(joint, base).x_ms + 20 * 3.0)
+    assert predict(joint, costly).h_ms == pytest.approx(predict(joint, base).h_ms + 3.0)
+    # with a 3 ms cost per message, recomputing 30 cheap layers beats sending 30 messages
+    assert choose(costly, ["bf16", "int8"])[0].action.cut < choose(base, ["bf16", "int8"])[
+        0].action.cut

@@ -5,13 +5,15 @@ prefill side; the suffix cost per layer γ (at this prompt length, under the dec
 load), the restore cost and the join J from the decode side. For an action (b, c), with W the
 link rate in bytes/s and `lat` its latency:
 
-- token-only (c = 0): T = lat + tokens/W + L·γ + J
+- token-only (c = 0): T = lat + m + tokens/W + L·γ + J
 - otherwise, overlapped schedule (eq. 9): T = H + max(X, R) + J, where
-    H = lat + B_H/W                      (boundary; transfer-only: the first layer's latency)
-    X = max(c·α_b, B_prefix/W) + α_b + restore(c layers)   (encoding overlaps the wire: the
-                                          sender encodes layer i+1 while layer i is on it)
+    H = lat + m + B_H/W                  (boundary; transfer-only: the first layer's latency)
+    X = max(c·α_b, B_prefix/W) + α_b + restore(c layers) + c·m   (encoding overlaps the wire:
+                                          the sender encodes layer i+1 while layer i is on it)
     R = (L − c)·γ
   and transfer-only (c = L) adds the head's bytes and has R = 0.
+
+m is the fixed cost of one data-plane message, measured by the decode worker.
 
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec and returns the
 predictions sorted by predicted time; the first is the choice.
@@ -38,6 +40,7 @@ class CostInputs:
     restore_ms_per_mib: float = 0.0  # decoding received prefix, per MiB of BF16 KV
     join_ms: float = 0.0
     link_latency_ms: float = 0.0
+    message_ms: float = 0.0  # fixed cost of one data-plane message (round trip, probe, checks)
 
     def __post_init__(self) -> None:
         if self.link_gbps <= 0:
@@ -70,15 +73,17 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
     bytes_per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
     wire = wire_bytes(action, shape, S)
     gamma = inputs.suffix_ms_per_layer
+    m = inputs.message_ms
     if c == 0:
-        h = inputs.link_latency_ms + wire.tokens / bytes_per_ms
+        h = inputs.link_latency_ms + m + wire.tokens / bytes_per_ms
         r = L * gamma
         return Prediction(action, h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms, wire.total)
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
     restore = inputs.restore_ms_per_mib * bf16_layer_mib * c
-    h = inputs.link_latency_ms + wire.boundary / bytes_per_ms
-    x = max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
+    h = inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
+    x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
+         + c * m)
     r = (L - c) * gamma
     return Prediction(action, h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
                       wire.total)

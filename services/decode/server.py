@@ -58,6 +58,7 @@ class DecodeWorker(Worker):
                 codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[1]
                 for codec in settings.codecs}
         self.recent = RecentRatios()
+        self.message_ms = Ewma(0.0)
         metrics.link.set_function(lambda: self.receiver.link.gbps)
         self.join_ms = Ewma(0.0)
         metrics.transport_pending.set_function(
@@ -117,12 +118,23 @@ class DecodeWorker(Worker):
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
             model=self.shape.name, num_layers=self.shape.num_layers,
             measured_over_model=self.recent.medians(),
-            link_gbps=self.receiver.link.gbps if self.receiver.link.samples else 0.0)
+            link_gbps=self.receiver.link.gbps if self.receiver.link.samples else 0.0,
+            message_ms=self.message_ms.value)
 
     def observe_suffix(self, prompt_len: int, layers: int, seconds: float, in_flight: int) -> None:
         expected = self.layer_cost.at(prompt_len) * layers * max(1, in_flight)
         if layers and expected > 0:
             self.gamma_scale.update(seconds * 1e3 / expected)
+
+    def observe_prefix(self, action, prompt_len: int, wire, x_seconds: float) -> None:
+        """Learn the fixed per-message cost from X: what the bytes and the restore do not explain."""
+        if action.cut == 0 or self.receiver.link.samples == 0:
+            return
+        layers = action.cut
+        wire_ms = (wire.prefix + wire.scales) * 8 / (self.receiver.link.gbps * 1e9) * 1e3
+        restore_ms = (self.restore_ms_per_mib.get(action.codec, 0.0) * layers
+                      * self.shape.kv_layer_bytes(prompt_len) / 2**20)
+        self.message_ms.update(max(0.0, (x_seconds * 1e3 - wire_ms - restore_ms) / layers))
 
     def local_prefill(self, ids: list[int], capacity: int):
         out = prefill(self.model, ids, boundaries=())
@@ -264,6 +276,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         worker.join_ms.update(t["J"] * 1e3)
         action = result.action
         worker.observe_suffix(len(ids), worker.shape.num_layers - action.cut, t["R"], load)
+        worker.observe_prefix(action, len(ids), result.bytes, t["X"])
         metrics.handoff.observe(handoff_s)
         metrics.boundary.observe(max(0.0, t["H"] - prefill_s))
         metrics.prefix.observe(t["X"])

@@ -102,7 +102,8 @@ class PrefillWorker(Worker):
         link_gbps = offer.link_gbps if offer.link_gbps > 0 else self.link.gbps
         inputs = CostInputs(self.shape, len(request.token_ids), link_gbps,
                             offer.suffix_ms_per_layer, self.quantize_ms_per_mib,
-                            max(offer.restore_ms_per_mib.values(), default=0.0), offer.join_ms)
+                            max(offer.restore_ms_per_mib.values(), default=0.0), offer.join_ms,
+                            message_ms=offer.message_ms)
         eligible = [c for c in self.settings.codecs if c in offer.codecs] or ["bf16"]
         decision = self.planner.decide(inputs, eligible, offer.measured_over_model)
         if request.HasField("forced_action"):
