@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-DEMO_LENGTHS = (0, 12, 60)  # filler repeats: about 40, 300 and 1400 prompt tokens
+DEMO_LENGTHS = (0, 12, 60)  # filler repeats: about 50, 340 and 1500 prompt tokens
 PASSKEY = 68231
 
 
@@ -24,7 +24,7 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--filler", type=lambda t: [int(x) for x in t.split(",") if x],
                       default=list(DEMO_LENGTHS),
                       help="filler repeats of each prompt, comma-separated (default 0,12,60: "
-                           "about 40, 300 and 1400 tokens)")
+                           "about 50, 340 and 1500 tokens)")
     demo.add_argument("--max-new-tokens", type=int, default=12)
     demo.add_argument("--device", default=None, help="cpu, cuda or cuda:N (env REKV_DEVICE)")
     demo.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
