@@ -154,3 +154,20 @@ def test_top1_agreement_accepts_exact_bf16_ties_only():
     _score(action, reference, torch.tensor([1]), tally)
     assert tally.first_agree == 1  # token 2 ties BF16's maximum at position 0
     assert tally.all_agree == 1 and tally.positions == 2  # at position 1 it is 1/128 below
+
+
+def test_planner_keeps_its_previous_choice_among_near_equals():
+    shape = get_preset("smollm2-135m")
+
+    def inputs(gamma):
+        return CostInputs(shape, 2048, 0.4, gamma, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+
+    planner = Planner(_policy({"int8": 30}))
+    first = planner.decide(inputs(30.0), ["bf16", "int8"]).action
+    # a slightly slower suffix moves the balanced cut: a fresh planner picks another cut ...
+    moved = Planner(_policy({"int8": 30}), hysteresis=0).decide(inputs(36.0), ["bf16", "int8"])
+    assert moved.action != first
+    # ... while this one keeps its choice, whose prediction is still within 10% of the best
+    assert planner.decide(inputs(36.0), ["bf16", "int8"]).action == first
+    # far from the old regime, it moves
+    assert planner.decide(inputs(300.0), ["bf16", "int8"]).action != first

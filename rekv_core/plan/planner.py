@@ -5,12 +5,14 @@ the quality gate's policy allows for this prompt length (outside the policy's ra
 actions: BF16 and token-only). Each prediction is then corrected by how wrong predictions of that
 action kind have recently been on the decode worker (`corrections`: median of measured/predicted
 over recent handoffs, which the decode side reports in its offer), following the seed: the final
-choice uses measured latency. `RecentRatios` keeps those medians on the decode side.
+choice uses measured latency. Between near-equal actions it keeps the previous choice (hysteresis).
+`RecentRatios` keeps those medians on the decode side.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import threading
 from collections.abc import Iterable, Mapping
@@ -35,8 +37,15 @@ class Decision:
 
 
 class Planner:
-    def __init__(self, policy: Policy | None = None):
+    """`hysteresis`: keep the action chosen last time for a similar request (same power-of-two
+    prompt length and link rate) while its prediction is within that fraction of the best one,
+    so near-equal actions do not alternate with every estimate update."""
+
+    def __init__(self, policy: Policy | None = None, hysteresis: float = 0.1):
         self.policy = policy
+        self.hysteresis = hysteresis
+        self._last: dict[tuple[int, int], Action] = {}
+        self._lock = threading.Lock()
 
     def allowed(self, action: Action, prompt_len: int) -> bool:
         if action.cut == 0 or action.codec == "bf16":
@@ -56,6 +65,13 @@ class Planner:
             ranked.append((prediction, prediction.total_ms * (factor if factor > 0 else 1.0)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
         best, best_ms = ranked[0]
+        key = (inputs.prompt_len.bit_length(), round(math.log2(inputs.link_gbps)))
+        with self._lock:
+            previous = self._last.get(key)
+            kept = next(((p, ms) for p, ms in ranked if p.action == previous), None)
+            if kept is not None and kept[1] <= best_ms * (1 + self.hysteresis):
+                best, best_ms = kept
+            self._last[key] = best.action
         return Decision(best.action, best_ms, ranked)
 
 
