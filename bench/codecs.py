@@ -18,55 +18,27 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rekv_core.bench.machine import cpu_model  # noqa: E402
 from rekv_core.codecs import codec_names, get_codec  # noqa: E402
 from rekv_core.codecs.base import EncodedKV  # noqa: E402
 from rekv_core.kernels import dequantize_groupwise, quantize_groupwise  # noqa: E402
 from rekv_core.model.shapes import get_preset  # noqa: E402
+from rekv_core.timing import median_seconds  # noqa: E402
 
 WARMUPS = 3
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    for _ in range(WARMUPS):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def copy_bandwidth(device: torch.device, repeats: int) -> float:
     src = torch.empty(256 << 20, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src).fill_(0)
-    return src.numel() / median_seconds(lambda: dst.copy_(src), repeats, device) / 1e9
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    return src.numel() / median_seconds(lambda: dst.copy_(src), repeats, device, WARMUPS) / 1e9
 
 
 def run(models: list[str], prompt_len: int, repeats: int, device: torch.device) -> dict:
@@ -96,7 +68,7 @@ def run(models: list[str], prompt_len: int, repeats: int, device: torch.device) 
                     dequantize_groupwise(codes, scales, bits, kv_shape, torch.bfloat16),
                     dequantize_groupwise(codes, scales, bits, kv_shape, torch.bfloat16))
             for op, fn in cases.items():
-                seconds = median_seconds(fn, repeats, device)
+                seconds = median_seconds(fn, repeats, device, WARMUPS)
                 gbps = input_bytes / seconds / 1e9
                 rows.append({"model": model, "prompt_len": prompt_len, "codec": name, "op": op,
                              "input_bytes": input_bytes, "payload_bytes": encoded.payload_bytes,

@@ -55,6 +55,12 @@ class RuntimeSettings:
                                  f"{values['torch_threads']!r}") from None
         return cls(**{k: v for k, v in values.items() if v is not None})
 
+    def load_model(self):
+        """The model these settings name, on their device in their dtype (a `Model`)."""
+        from rekv_core.model import Model, load_weights
+
+        return Model(load_weights(self.model, self.torch_dtype, self.device))
+
     def apply_threads(self) -> int:
         """Set torch's intra-op thread count; returns it."""
         threads = self.torch_threads or usable_cores()

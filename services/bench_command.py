@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
-
-def _csv(kind):
-    def parse(text: str):
-        return [kind(item) for item in text.split(",") if item]
-    return parse
+from services.cli_util import csv_of, write_json
 
 
 def add_bench_parser(sub) -> None:
@@ -28,19 +22,19 @@ def add_bench_parser(sub) -> None:
     handoff.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
     handoff.add_argument("--threads", type=int, default=None,
                          help="torch intra-op threads (env REKV_TORCH_THREADS; 0 = all cores)")
-    handoff.add_argument("--prompt-len", type=_csv(int), default=[512, 2048],
+    handoff.add_argument("--prompt-len", type=csv_of(int), default=[512, 2048],
                          help="prompt lengths S, comma-separated (default 512,2048)")
-    handoff.add_argument("--link-gbps", type=_csv(str), default=["x0.5", "x1", "x4"],
+    handoff.add_argument("--link-gbps", type=csv_of(str), default=["x0.5", "x1", "x4"],
                          help="link rates, comma-separated: Gb/s, or xK = K times the rate at "
                               "which all layers' BF16 KV takes as long to send as all layers "
                               "take to compute (default x0.5,x1,x4)")
-    handoff.add_argument("--cuts", type=_csv(int), default=None,
+    handoff.add_argument("--cuts", type=csv_of(int), default=None,
                          help="cuts c for the recompute and joint sweeps (default L/5..4L/5)")
-    handoff.add_argument("--quant-codecs", type=_csv(str), default=["int8", "int4"],
+    handoff.add_argument("--quant-codecs", type=csv_of(str), default=["int8", "int4"],
                          help="codecs for transfer-only (default int8,int4)")
-    handoff.add_argument("--joint-codecs", type=_csv(str), default=["int8", "int4"],
+    handoff.add_argument("--joint-codecs", type=csv_of(str), default=["int8", "int4"],
                          help="codecs for the joint cut sweep (default int8,int4)")
-    handoff.add_argument("--sequential-codecs", type=_csv(str), default=["int8"],
+    handoff.add_argument("--sequential-codecs", type=csv_of(str), default=["int8"],
                          help="prefix codecs whose cut sweep is also run with the sequential "
                               "schedule (default int8)")
     handoff.add_argument("--warmups", type=int, default=3)
@@ -56,12 +50,12 @@ def add_bench_parser(sub) -> None:
                     "with paced UCX sends. No delay emulation (no netem on this kernel).")
     link.add_argument("--dtype", default="bfloat16", help="service dtype (default bfloat16)")
     link.add_argument("--threads", type=int, default=None, help="torch threads per service")
-    link.add_argument("--prompt-len", type=_csv(int), default=None,
+    link.add_argument("--prompt-len", type=csv_of(int), default=None,
                       help="prompt lengths (default 256,1024; --quick: 256)")
-    link.add_argument("--link-gbps", type=_csv(str), default=None,
+    link.add_argument("--link-gbps", type=csv_of(str), default=None,
                       help="link rates: Gb/s or xK (K times the balanced rate); default "
                            "x1,x4,10 (--quick: x1,10)")
-    link.add_argument("--cuts", type=_csv(int), default=None,
+    link.add_argument("--cuts", type=csv_of(int), default=None,
                       help="cuts of the BF16-recompute and joint int8 sweeps (default "
                            "0.3L,0.5L,0.7L; --quick: 0.5L)")
     link.add_argument("--warmups", type=int, default=3)
@@ -76,13 +70,10 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
-    import sys
-
     from rich.console import Console
 
     from rekv_core.bench.handoff import BenchConfig, LinkRate, run_bench
     from rekv_core.codecs import get_codec
-    from rekv_core.model import Model, load_weights
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0:
@@ -98,7 +89,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
                                         torch_threads=args.threads)
     threads = settings.apply_threads()
     console = Console(stderr=True)
-    model = Model(load_weights(settings.model, settings.torch_dtype, settings.device))
+    model = settings.load_model()
     config = BenchConfig(prompt_lens=args.prompt_len, link_rates=rates, cuts=args.cuts,
                          quant_codecs=args.quant_codecs, joint_codecs=args.joint_codecs,
                          sequential_codecs=args.sequential_codecs, warmups=args.warmups,
@@ -109,9 +100,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
                   f"{model.device}, {threads} torch threads")
     results = run_bench(model, config, progress=lambda line: console.log(line))
     print_results(results)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.json, results, indent=1)
     return 0
 
 
@@ -164,7 +153,6 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
 
     from rekv_core.bench.handoff import LinkRate
     from rekv_core.bench.link import LinkBenchConfig, plot, run_link_bench
-    from rekv_core.model import Model, load_weights
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:
@@ -174,7 +162,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                                                              else ["x1", "x4", "10"]))]
     settings = RuntimeSettings.from_env(dtype=args.dtype, torch_threads=args.threads)
     threads = settings.apply_threads()
-    model = Model(load_weights(settings.model, settings.torch_dtype, settings.device))
+    model = settings.load_model()
     L = model.shape.num_layers
     cuts = args.cuts or ([L // 2] if args.quick else None)
     service_args = ["--dtype", args.dtype, "--torch-threads", str(threads), "--model",
@@ -209,9 +197,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                         f"{p['joint_int8_speedup_vs_bf16']:.2f}×",
                         f"{p['joint_int8_speedup_vs_best_single']:.2f}×")
     out.print(summary)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    write_json(args.json, results, indent=1)
     if args.plot:
         plot(results, args.plot)
     return 0

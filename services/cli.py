@@ -17,22 +17,15 @@ Every command that prints figures takes `--json FILE` to write them as well.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from pathlib import Path
 
 from services.bench_command import add_bench_parser
+from services.cli_util import write_json
 from services.demo_command import add_demo_parser
 from services.plan_commands import add_plan_parsers
 
 MiB = 1 << 20
-
-
-def _write_json(path: str | None, payload) -> None:
-    if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:
@@ -51,7 +44,7 @@ def cmd_codecs(args: argparse.Namespace) -> int:
         table.add_row(row.model, row.codec, f"{row.layer_bytes / MiB:.4g}", str(row.layer_bytes),
                       f"{row.boundary_bytes / MiB:.4g}")
     Console().print(table)
-    _write_json(args.json, [row.as_dict() for row in rows])
+    write_json(args.json, [row.as_dict() for row in rows])
     return 0
 
 

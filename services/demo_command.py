@@ -10,8 +10,8 @@ cleanly and every request succeeded.
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
+
+from services.cli_util import write_json
 
 DEMO_LENGTHS = (0, 12, 60)  # filler repeats: about 50, 340 and 1500 prompt tokens
 PASSKEY = 68231
@@ -100,8 +100,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
     failed = sum(code != 0 for code in codes.values())
     console.print(f"services stopped: prefill exit {codes['prefill']}, decode exit "
                   f"{codes['decode']}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"requests": rows, "exit_codes": codes},
-                                              indent=1) + "\n")
+    write_json(args.json, {"requests": rows, "exit_codes": codes}, indent=1)
     return 1 if failed else 0

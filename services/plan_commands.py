@@ -7,9 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-
-def _csv(kind):
-    return lambda text: [kind(item) for item in text.split(",") if item]
+from services.cli_util import csv_of, write_json
 
 
 def _runtime_flags(parser) -> None:
@@ -21,21 +19,20 @@ def _runtime_flags(parser) -> None:
 
 
 def _load_model(args):
-    from rekv_core.model import Model, load_weights
     from rekv_core.settings import RuntimeSettings
 
     settings = RuntimeSettings.from_env(model=args.model, device=args.device, dtype=args.dtype,
                                         torch_threads=args.threads)
     settings.apply_threads()
-    return Model(load_weights(settings.model, settings.torch_dtype, settings.device)), settings
+    return settings.load_model(), settings
 
 
 def add_plan_parsers(sub) -> None:
     profile = sub.add_parser("profile", help="measure per-layer costs on this machine")
     _runtime_flags(profile)
-    profile.add_argument("--lengths", type=_csv(int), default=[64, 256, 1024, 2048],
+    profile.add_argument("--lengths", type=csv_of(int), default=[64, 256, 1024, 2048],
                          help="prompt lengths for the layer cost (default 64,256,1024,2048)")
-    profile.add_argument("--codecs", type=_csv(str), default=["bf16", "int8", "int4"])
+    profile.add_argument("--codecs", type=csv_of(str), default=["bf16", "int8", "int4"])
     profile.add_argument("--out", required=True, help="the profile file to write (JSON)")
     profile.set_defaults(func=cmd_profile)
 
@@ -46,8 +43,8 @@ def add_plan_parsers(sub) -> None:
     gate.add_argument("--prompt-len", type=int, default=2048)
     gate.add_argument("--prompts", type=int, default=32)
     gate.add_argument("--continuation", type=int, default=256)
-    gate.add_argument("--codecs", type=_csv(str), default=["int8", "int4"])
-    gate.add_argument("--cuts", type=_csv(int), default=None,
+    gate.add_argument("--codecs", type=csv_of(str), default=["int8", "int4"])
+    gate.add_argument("--cuts", type=csv_of(int), default=None,
                       help="cuts to evaluate (default every 3rd layer and L)")
     gate.add_argument("--epsilon", type=float, default=0.01,
                       help="largest relative perplexity rise allowed (default 0.01)")
@@ -63,7 +60,7 @@ def add_plan_parsers(sub) -> None:
                       "profile shipped for the model)")
     plan.add_argument("--policy", default=None, help="`rekv gate` output (default: the policy "
                       "shipped for the model; none: lossless actions only)")
-    plan.add_argument("--codecs", type=_csv(str), default=["bf16", "int8", "int4"])
+    plan.add_argument("--codecs", type=csv_of(str), default=["bf16", "int8", "int4"])
     plan.add_argument("--load", type=int, default=1, help="handoffs in flight on the decode "
                       "worker (scales its suffix cost)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead")
@@ -127,8 +124,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
           f"{sum(n['found'] for n in policy.meta['bf16_needles'])}/"
           f"{len(policy.meta['bf16_needles'])}; eligible: "
           + ", ".join(f"{c} up to cut {m}" for c, m in policy.max_cut.items()))
-    if args.json:
-        Path(args.json).write_text(json.dumps(policy.to_json(), indent=1) + "\n")
+    write_json(args.json, policy.to_json(), indent=1)
     return 0
 
 

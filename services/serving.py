@@ -35,14 +35,13 @@ class Worker:
     """What both workers hold: settings, metrics, the model, torch threads, the UCX engine."""
 
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
-        from rekv_core.model import Model, load_weights
         from rekv_core.transport.ucx import UcxEngine
 
         runtime = settings.runtime
         self.settings = settings
         self.metrics = metrics
         self.threads = runtime.apply_threads()
-        self.model = Model(load_weights(runtime.model, runtime.torch_dtype, runtime.device))
+        self.model = runtime.load_model()
         self.shape = self.model.shape
         self.engine = UcxEngine()
 

@@ -19,10 +19,7 @@ X and R for the sequential schedule) computed from the same run's measured parts
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
-import subprocess
 import threading
 import time
 import uuid
@@ -31,10 +28,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.executor import Model, PrefillOutput, embed, prefill, run_layers
+from rekv_core.timing import median_seconds
 from rekv_core.transport.inprocess import InProcessLink
 
 PARTS = ("Q", "H", "X", "R", "J")
@@ -111,23 +110,10 @@ def prompt_ids(vocab_size: int, length: int, seed: int) -> list[int]:
     return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
 
 
-def _sync(model: Model) -> None:
-    if model.device.type == "cuda":
-        torch.cuda.synchronize(model.device)
-
-
 def time_compute_all(model: Model, ids: Sequence[int], repeats: int = 3) -> float:
     """Seconds to compute all L layers of the prompt (median of `repeats`, after one warm-up)."""
     h0 = embed(model, ids)
-    samples = []
-    for attempt in range(repeats + 1):
-        _sync(model)
-        start = time.perf_counter()
-        run_layers(model, h0, start=0)
-        _sync(model)
-        if attempt:
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_seconds(lambda: run_layers(model, h0, start=0), repeats, model.device)
 
 
 def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
@@ -188,29 +174,6 @@ def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
     return row
 
 
-def machine_info(model: Model, threads: int) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": threads,
-            "torch": torch.__version__, "python": platform.python_version(),
-            "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "git_commit": commit, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if model.device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(model.device)
-    return info
-
-
 def run_bench(model: Model, config: BenchConfig,
               progress: Callable[[str], None] = lambda _: None) -> dict:
     """Run the whole sweep; returns `{meta, points, rows, overlap_vs_sequential, contention}`."""
@@ -245,7 +208,8 @@ def run_bench(model: Model, config: BenchConfig,
                 row["speedup_vs_bf16"] = baseline["median_ms"] / row["median_ms"]
             rows += point_rows
         del state
-    return {"meta": {**machine_info(model, torch.get_num_threads()), "model": shape.name,
+    return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
+                     "model": shape.name,
                      "num_layers": L, "warmups": config.warmups, "runs": config.runs,
                      **config.extra},
             "points": points, "rows": rows,

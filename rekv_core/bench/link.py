@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from rekv_core.bench.handoff import LinkRate, machine_info, prompt_ids, time_compute_all
+from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
+from rekv_core.bench.machine import machine_info
 from rekv_core.bench.netns import DECODE_ADDRESS, PREFILL_ADDRESS, EmulatedLink, unavailable
 from rekv_core.bench.stats import median_ci
 from rekv_core.handoff import Action
@@ -125,7 +126,8 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
     finally:
         if link:
             link.close()
-    return {"meta": {**machine_info(model, torch.get_num_threads()), "model": shape.name,
+    return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
+                     "model": shape.name,
                      "num_layers": L,
                      "warmups": config.warmups, "runs": config.runs, "cuts": cuts,
                      "link": "veth + tc tbf in two network namespaces" if not why_not
@@ -201,7 +203,7 @@ def plot(results: dict, path: str | Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in results["rows"]]
+    rows = results["rows"]
     links = list(dict.fromkeys(r["link"] for r in rows))
     lengths = list(dict.fromkeys(r["prompt_len"] for r in rows))
     fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4.2), squeeze=False)

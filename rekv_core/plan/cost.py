@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rekv_core.handoff.action import Action, layer_wire_bytes, wire_bytes
+from rekv_core.handoff.action import Action, wire_bytes
 from rekv_core.model.shapes import ModelShape
 
 MiB = 1 << 20
@@ -103,6 +103,3 @@ def choose(inputs: CostInputs, codecs: Iterable[str]) -> list[Prediction]:
     predictions = [predict(a, inputs) for a in candidate_actions(inputs.shape, codecs)]
     return sorted(predictions, key=lambda p: (p.total_ms, p.bytes))
 
-
-def layer_bytes(codec: str, shape: ModelShape, prompt_len: int) -> int:
-    return layer_wire_bytes(codec, (shape.num_kv_heads, prompt_len, shape.head_dim)).total

@@ -7,34 +7,19 @@ warm-up) at each prompt length, as a `LayerCost`. `measure_codec_costs(codec, sh
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 from rekv_core.codecs import get_codec
 from rekv_core.model.executor import Model, iter_layers
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.estimates import LayerCost
+from rekv_core.timing import median_seconds
 
 MiB = 1 << 20
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(fn, repeats: int, device: torch.device) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    return median_seconds(fn, repeats, device) * 1e3
 
 
 @torch.inference_mode()
