@@ -63,6 +63,8 @@ def add_bench_parser(sub) -> None:
     link.add_argument("--quick", action="store_true", help="a small sweep, under 5 minutes")
     link.add_argument("--loopback", action="store_true",
                       help="skip the namespaces: loopback with paced UCX sends")
+    link.add_argument("--no-pin", dest="pin", action="store_false",
+                      help="let both services use every core (default: each on its own half)")
     link.add_argument("--log-dir", default=None, help="the services' logs")
     link.add_argument("--json", metavar="FILE", help="write meta, rows and per-point summaries")
     link.add_argument("--plot", metavar="PNG", help="write the Fig. 2-style plot")
@@ -165,25 +167,29 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     model = settings.load_model()
     L = model.shape.num_layers
     cuts = args.cuts or ([L // 2] if args.quick else None)
-    service_args = ["--dtype", args.dtype, "--torch-threads", str(threads), "--model",
-                    settings.model, "--device", settings.device]
+    service_args = ["--dtype", args.dtype, "--model", settings.model, "--device",
+                    settings.device]
+    if not args.pin or args.threads:  # pinned services default to one thread per core
+        service_args += ["--torch-threads", str(threads)]
     console = Console(stderr=True)
     config = LinkBenchConfig(prompt_lens=lengths, rates=rates, cuts=cuts, warmups=args.warmups,
                              runs=args.runs, service_args=service_args, log_dir=args.log_dir,
-                             loopback=args.loopback)
+                             loopback=args.loopback, pin=args.pin)
     results = run_link_bench(model, config, progress=console.log)
     results["meta"]["command"] = "rekv " + " ".join(sys.argv[1:])
     out = Console(width=160)
     for point in results["points"]:
         S, link = point["prompt_len"], point["link"]
         table = Table(title=f"S = {S}, link {link} = {point['link_gbps']:.3g} Gb/s")
-        for column in ("action", "median ms", "95% CI", "predicted ms", "× BF16"):
+        for column in ("action", "median ms", "95% CI", "predicted ms", "× BF16", "Q", "H", "X",
+                       "R", "J"):
             table.add_column(column, justify="left" if column == "action" else "right")
         for r in results["rows"]:
             if r["prompt_len"] == S and r["link"] == link:
                 table.add_row(r["label"], f"{r['median_ms']:.1f}",
                               f"{r['ci95_ms'][0]:.1f}–{r['ci95_ms'][1]:.1f}",
-                              f"{r['predicted_ms']:.1f}", f"{r['speedup_vs_bf16']:.2f}")
+                              f"{r['predicted_ms']:.1f}", f"{r['speedup_vs_bf16']:.2f}",
+                              *(f"{r['parts_median_ms'][k]:.0f}" for k in "QHXRJ"))
         out.print(table)
     summary = Table(title="Per point: best measured action, the planner's pick, joint int8")
     for column in ("S", "link", "Gb/s", "best", "ms", "planner", "ms", "within 10%",

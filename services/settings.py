@@ -35,6 +35,7 @@ class ServiceSettings:
     codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
     link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
     pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
+    ucx_progress_nice: int = 8  # Linux nice of UCX's busy-polling threads; 0: as the process
     profile: str = ""  # `rekv profile` output; empty: measure a short profile at start
     policy: str = ""  # `rekv gate` output; empty: the policy shipped for the model, if any
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
@@ -58,6 +59,9 @@ class ServiceSettings:
                              f"got {list(self.codecs)}")
         if self.pace_gbps < 0:
             raise ValueError(f"pace_gbps: must be >= 0, got {self.pace_gbps}")
+        if not 0 <= self.ucx_progress_nice <= 19:
+            raise ValueError(f"ucx_progress_nice: must lie in [0, 19], got "
+                             f"{self.ucx_progress_nice}")
         if self.link_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
         if self.role == "decode" and not self.prefill_address:

@@ -7,7 +7,7 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize("name, ratio", [("qwen2.5-7b", 3.5), ("llama-3.1-8b", 2.0),
                                          ("qwen2.5-3b", 4.0), ("qwen3-8b", 2.0),
-                                         ("smollm2-135m", 1.5)])
+                                         ("smollm2-135m", 1.5), ("mini-qwen2.5-7b", 3.5)])
 def test_boundary_to_layer_ratio_is_eq3(name, ratio):
     shape = get_preset(name)
     assert shape.boundary_bytes(1000) / shape.kv_layer_bytes(1000) == ratio
@@ -39,3 +39,11 @@ def test_embedded_gguf_shape_is_the_preset():
 
     shape = shape_from_gguf(gguf.GGUFReader(str(embedded_gguf_path())))
     assert shape == get_preset("smollm2-135m")
+
+
+def test_the_cpu_sized_preset_keeps_qwen7b_proportions():
+    mini, full = get_preset("mini-qwen2.5-7b"), get_preset("qwen2.5-7b")
+    assert mini.num_layers == full.num_layers and mini.family == full.family
+    assert mini.num_heads // mini.num_kv_heads == full.num_heads // full.num_kv_heads
+    assert mini.hidden_size * 8 == full.hidden_size
+    assert abs(mini.ffn_size / mini.hidden_size - full.ffn_size / full.hidden_size) < 0.01

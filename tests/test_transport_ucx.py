@@ -1,6 +1,7 @@
 """The UCX transport (ucxx over TCP on loopback) against the transport contract, and a handoff
 over it that rebuilds the same cache as the in-process link."""
 
+import os
 import threading
 
 import pytest
@@ -51,6 +52,27 @@ def test_messages_arrive_whole_and_in_order(ucx):
     receiver.close("a")
     assert receiver.pending()["open_requests"] == 0
     assert sender.pending() == {"in_flight_messages": 0}
+
+
+def test_messages_are_received_ahead_of_the_consumer(ucx):
+    """Rendezvous sends complete before anyone calls recv: the wire never waits for the consumer."""
+    _, receiver, sender = ucx
+    receiver.open("ahead")
+    sent = [_msg("ahead", i, nbytes=300_000) for i in range(3)]
+    for m in sent:
+        sender.send(m)
+    sender.flush("ahead", timeout=10)
+    for _ in range(100):  # the last receive completes a moment after the sender's side
+        if receiver.pending()["buffered_messages"] == 3:
+            break
+        threading.Event().wait(0.02)
+    assert receiver.pending()["buffered_messages"] == 3
+    got = [receiver.recv("ahead", timeout=10) for _ in range(3)]
+    assert [g.seq for g in got] == [0, 1, 2]
+    assert all(torch.equal(g.buffers["data"], m.buffers["data"]) for g, m in zip(got, sent))
+    receiver.close("ahead")
+    assert receiver.pending() == {"open_requests": 0, "buffered_messages": 0,
+                                  "draining_requests": 0}
 
 
 def test_other_requests_never_land_and_closed_requests_are_drained(ucx):
@@ -128,3 +150,15 @@ def test_close_wakes_a_waiting_receive(ucx):
     receiver.abort("waiting")
     thread.join(5)
     assert not thread.is_alive() and errors and "closed while receiving" in errors[0]
+
+
+def test_engine_lowers_the_priority_of_ucx_progress_threads():
+    engine = UcxEngine(progress_nice=7)
+    try:
+        assert engine.native_threads
+        assert all(os.getpriority(os.PRIO_PROCESS, tid) == 7 for tid in engine.native_threads)
+        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == 0
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="progress_nice"):
+        UcxEngine(progress_nice=20)

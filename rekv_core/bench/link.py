@@ -9,7 +9,10 @@ For each prompt length S and link rate (Gb/s, or xK: K times S's balanced rate, 
 BF16 KV takes as long on the link as computing all layers), a client inside the decode namespace
 (`link_client`) sends, per action: W warm-up and N timed requests with one new token. Actions: full
 BF16, int8 transfer-only, BF16 recompute and joint int8 at each cut of the sweep, token-only, then
-the planner's own choice (no forced action). Per point it reports medians with 95% bootstrap
+the planner's own choice (no forced action). Where the machine has two cores or more, each service
+is pinned to its own half of them (`taskset`), with as many torch threads as cores, and the
+balanced rate is measured under the same pinning: two nodes do not share cores, and without the
+pinning the decode side's recompute and the prefill side's encoding and sends would compete. Per point it reports medians with 95% bootstrap
 intervals of the measured handoff time (the end of the prefill to the complete cache on the decode
 worker), speedups over full BF16, the best action, and whether the planner's pick is within 10%
 of it.
@@ -17,7 +20,9 @@ of it.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,6 +58,36 @@ class LinkBenchConfig:
     service_args: list[str] = field(default_factory=list)
     log_dir: str | None = None
     loopback: bool = False  # skip the namespaces even where they can be made
+    pin: bool = True  # each service on its own half of the cores (where there are two or more)
+
+
+def split_cores(cores: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """(prefill's cores, decode's cores): the first half and the rest; None below two cores."""
+    cores = sorted(cores)
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def _taskset(cores: Sequence[int] | None) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+
+
+@contextlib.contextmanager
+def pinned(cores: Sequence[int] | None):
+    """This process on `cores` with as many torch threads, restored on exit (no-op for None)."""
+    if not cores:
+        yield
+        return
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
 
 
 def default_cuts(num_layers: int) -> list[int]:
@@ -74,9 +109,16 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
     L = shape.num_layers
     cuts = list(config.cuts or default_cuts(L))
     actions = forced_actions(L, cuts)
+    sides = split_cores(os.sched_getaffinity(0)) if config.pin else None
+    prefill_cores, decode_cores = sides or (None, None)
+    own_threads = "--torch-threads" not in config.service_args
+    service_args = {role: [*config.service_args,
+                           *(["--torch-threads", str(len(cores))] if cores and own_threads else [])]
+                    for role, cores in (("prefill", prefill_cores), ("decode", decode_cores))}
     balanced = {}
     for S in config.prompt_lens:
-        compute = time_compute_all(model, prompt_ids(shape.vocab_size, S, 0))
+        with pinned(decode_cores):
+            compute = time_compute_all(model, prompt_ids(shape.vocab_size, S, 0))
         balanced[S] = wire_bytes(Action.full_bf16(L), shape, S).prefix * 8 / compute / 1e9
         progress(f"S={S}: all layers compute in {compute * 1e3:.0f} ms, balanced link "
                  f"{balanced[S]:.3f} Gb/s")
@@ -90,10 +132,10 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
             progress(f"emulated link: namespaces {link.prefill_ns} and {link.decode_ns}, veth "
                      f"shaped with tc tbf")
             pair = ServicePair(
-                [*config.service_args, "--host", PREFILL_ADDRESS],
-                [*config.service_args, "--host", DECODE_ADDRESS], log_dir=log_dir,
-                prefill_prefix=link.prefix("prefill"), decode_prefix=link.prefix("decode"),
-                env=TCP_ONLY)
+                [*service_args["prefill"], "--host", PREFILL_ADDRESS],
+                [*service_args["decode"], "--host", DECODE_ADDRESS], log_dir=log_dir,
+                prefill_prefix=[*link.prefix("prefill"), *_taskset(prefill_cores)],
+                decode_prefix=[*link.prefix("decode"), *_taskset(decode_cores)], env=TCP_ONLY)
             client_prefix = link.prefix("decode")
         else:
             progress(f"no emulated link ({why_not}): loopback with paced UCX sends instead")
@@ -107,8 +149,10 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
                 else:
                     if pair is not None:
                         pair.stop()
-                    pair = ServicePair([*config.service_args, "--pace-gbps", f"{gbps}"],
-                                       config.service_args, log_dir=log_dir)
+                    pair = ServicePair([*service_args["prefill"], "--pace-gbps", f"{gbps}"],
+                                       service_args["decode"], log_dir=log_dir,
+                                       prefill_prefix=_taskset(prefill_cores),
+                                       decode_prefix=_taskset(decode_cores))
                 started = time.perf_counter()
                 results = _run_client(client_prefix, pair.decode_address, S, shape.vocab_size,
                                       actions, config)
@@ -133,7 +177,8 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
                      "link": "veth + tc tbf in two network namespaces" if not why_not
                      else f"loopback, paced UCX sends ({why_not})",
                      "delay_emulation": "none: this kernel has no netem",
-                     "service_exit_codes": codes, "logs": str(log_dir)},
+                     "service_exit_codes": codes, "logs": str(log_dir),
+                     "service_cores": {"prefill": prefill_cores, "decode": decode_cores}},
             "balanced_gbps": balanced, "rows": rows, "points": points}
 
 
@@ -167,6 +212,8 @@ def _row(shape, S, rate, gbps, result, L) -> dict:
             "bytes": wire_bytes(Action(codec, cut, L), shape, S).total,
             "median_ms": median, "ci95_ms": [low, high],
             "predicted_ms": statistics.median(result["predicted_ms"]),
+            "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])
+                                for part in ("Q", "H", "X", "R", "J")},
             "samples_ms": result["samples_ms"], "fallbacks": result["fallbacks"]}
 
 

@@ -5,7 +5,8 @@
 
 For each action in `--actions` (a JSON list of [codec, cut], or null for the planner's choice), in
 order: W untimed and N timed `Generate` calls with one new token and the same prompt of S token ids;
-writes, per action, the summaries' measured handoff ms and the actions actually used.
+writes, per action, the summaries' measured handoff ms, their parts (Q, H, X, R, J) and the actions
+actually used.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     with grpc.insecure_channel(args.decode) as channel:
         for number, forced in enumerate(json.loads(args.actions)):
             forced = tuple(forced) if forced else None
-            samples, used, predicted, fallbacks = [], [], [], 0
+            samples, used, predicted, parts, fallbacks = [], [], [], [], 0
             for run in range(args.warmups + args.runs):
                 g = generate(channel, f"link-{args.prompt_len}-{number}-{run}", ids, 1,
                              forced_action=forced, timeout=600)
@@ -47,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                     samples.append(s.measured_handoff_ms)
                     used.append([s.action_kind, s.action.codec, s.action.cut])
                     predicted.append(s.predicted_handoff_ms)
+                    t = s.timings
+                    parts.append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms,
+                                  "J": t.j_ms})
             results.append({"forced": list(forced) if forced else None, "samples_ms": samples,
-                            "used": used, "predicted_ms": predicted, "fallbacks": fallbacks})
+                            "used": used, "predicted_ms": predicted, "parts_ms": parts,
+                            "fallbacks": fallbacks})
     with open(args.out, "w") as out:
         json.dump(results, out)
     return 0

@@ -111,6 +111,12 @@ PRESETS: dict[str, ModelShape] = {
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0,
                                                   original_max_positions=8192)),
+        # Qwen2.5-7B's proportions at 1/8 of its widths, sized for a CPU: the same depth (28), GQA
+        # ratio (7:1), boundary-to-layer-KV ratio (d / 2·n_kv·d_h = 3.5) and FFN ratio (5.3).
+        ModelShape(name="mini-qwen2.5-7b", family="qwen2", num_layers=28, hidden_size=448,
+                   num_heads=7, num_kv_heads=1, head_dim=64, ffn_size=2368,
+                   vocab_size=151936, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False,
+                   max_positions=32768),
     )
 }
 

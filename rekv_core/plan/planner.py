@@ -12,7 +12,6 @@ choice uses measured latency. Between near-equal actions it keeps the previous c
 from __future__ import annotations
 
 import collections
-import math
 import statistics
 import threading
 from collections.abc import Iterable, Mapping
@@ -37,14 +36,16 @@ class Decision:
 
 
 class Planner:
-    """`hysteresis`: keep the action chosen last time for a similar request (same power-of-two
-    prompt length and link rate) while its prediction is within that fraction of the best one,
-    so near-equal actions do not alternate with every estimate update."""
+    """`hysteresis`: keep the action chosen last time for a request of similar length (the same
+    power of two) while its prediction is within that fraction of the best one, so near-equal
+    actions do not alternate with every estimate update. The link rate is not part of the key: a
+    settling estimate must not reset it, and a real change of link moves the prediction of the
+    old choice past the margin anyway."""
 
     def __init__(self, policy: Policy | None = None, hysteresis: float = 0.1):
         self.policy = policy
         self.hysteresis = hysteresis
-        self._last: dict[tuple[int, int], Action] = {}
+        self._last: dict[int, Action] = {}
         self._lock = threading.Lock()
 
     def allowed(self, action: Action, prompt_len: int) -> bool:
@@ -65,7 +66,7 @@ class Planner:
             ranked.append((prediction, prediction.total_ms * (factor if factor > 0 else 1.0)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
         best, best_ms = ranked[0]
-        key = (inputs.prompt_len.bit_length(), round(math.log2(inputs.link_gbps)))
+        key = inputs.prompt_len.bit_length()
         with self._lock:
             previous = self._last.get(key)
             kept = next(((p, ms) for p, ms in ranked if p.action == previous), None)

@@ -15,9 +15,13 @@ receive for exactly the tag it expects next, into a buffer of the announced size
 another request, or a late message of a closed one, can never be received into this request.
 Request ids must be unique per transfer (the services add a nonce to each request's id).
 
-A request aborted before its last message (timeout, error, cancelled request) is drained: for
-`drain_seconds` the receiver takes and discards that request's remaining messages, in order, so the
-sender's pending sends complete and UCX holds no unexpected data for it; they count as `strays`.
+Each open request has a reader on the engine loop that receives its messages in order as soon as
+they arrive, up to `prefetch` messages ahead of the consumer: a rendezvous send completes while the
+consumer is still decoding the previous layer, so the wire does not idle between messages. A
+request aborted before its last message (timeout, error, cancelled request) is drained: its reader
+discards what it has queued and, for `drain_seconds` after the last arrival, takes and discards the
+remaining messages in order, so the sender's pending sends complete and UCX holds no unexpected data
+for it; they count as `strays`.
 Messages for a request that is never opened are never received: a large one (UCX rendezvous) makes
 the sender's `flush` time out, a small one (eager) stays in UCX's unexpected queue until the worker
 closes. The services only send for requests the decode side has opened.
@@ -33,7 +37,8 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 
 import torch
 
@@ -79,10 +84,29 @@ def _wire_view(buffer: torch.Tensor):
     return buffer if buffer.is_cuda else buffer.numpy()
 
 
-class UcxEngine:
-    """A thread running an asyncio loop that owns every UCX call of this process."""
+_ucx_native_threads: set[int] = set()  # UCX's threads in this process, found as they start
 
-    def __init__(self):
+
+def _thread_ids() -> set[int]:
+    try:
+        return {int(tid) for tid in os.listdir("/proc/self/task")}
+    except OSError:  # not Linux: nothing to adjust
+        return set()
+
+
+class UcxEngine:
+    """A thread running an asyncio loop that owns every UCX call of this process.
+
+    UCX is progressed by ucxx's own native threads (a progress thread, UCX's async thread), started
+    here. The progress thread busy-polls while transfers are in flight; `progress_nice` > 0 lowers
+    those threads' scheduling priority (Linux nice), so that where the data plane shares cores with
+    compute, the compute keeps its core and the data plane takes what is left. The threads belong
+    to the process, not to one engine: the last engine made sets their priority.
+    `native_threads` lists their thread ids."""
+
+    def __init__(self, progress_nice: int = 0):
+        if not 0 <= progress_nice <= 19:
+            raise ValueError(f"progress_nice: must lie in [0, 19], got {progress_nice}")
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx  # noqa: F401  (fail here, clearly, when ucxx is missing)
 
@@ -91,6 +115,21 @@ class UcxEngine:
                                         daemon=True)
         self._thread.start()
         self._closed = False
+        before = _thread_ids()
+        self.call(self._start_progress(), 60)
+        now = _thread_ids()
+        _ucx_native_threads.update(now - before - {t.native_id for t in threading.enumerate()})
+        _ucx_native_threads.intersection_update(now)
+        self.native_threads = sorted(_ucx_native_threads)
+        for tid in self.native_threads:
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, progress_nice)
+            except OSError:  # the thread has ended already
+                pass
+
+    @staticmethod
+    async def _start_progress() -> None:
+        _context().continuous_ucx_progress()
 
     def submit(self, coro: Coroutine):
         if self._closed:
@@ -132,9 +171,9 @@ async def _recv_tag(buffer, tag: int) -> None:
     await _context().recv(buffer, tag)
 
 
-async def _take_frame(tag: int) -> torch.Tensor:
-    """Wait for the message under `tag` and receive it whole. Probing first (rather than posting a
-    receive) leaves nothing posted in UCX when the wait is cancelled by a timeout."""
+async def _take_frame(tag: int, give_up: Callable[[], bool]) -> torch.Tensor | None:
+    """Wait for the message under `tag` and receive it whole, or return None once `give_up()`.
+    Probing (rather than posting a receive) leaves nothing posted in UCX when we give up."""
     context = _context()
     delay = 0.00005
     while True:
@@ -143,25 +182,47 @@ async def _take_frame(tag: int) -> torch.Tensor:
             frame = torch.empty(probe.length, dtype=torch.uint8)
             await context.recv_with_handle(frame.numpy(), probe)
             return frame
+        if give_up():
+            return None
         await asyncio.sleep(delay)
         delay = min(2 * delay, 0.001)  # at most 1 ms late, at most ~1000 wake-ups/s idle
 
 
+@dataclass(eq=False)
+class _Inbox:
+    """One open request on the receiving side: its read-ahead task and what it has received.
+
+    Lives on the engine loop. `state`: open (messages go to `queue`), draining (aborted: messages
+    are discarded until none arrives for `drain_seconds`) or closed (the reader stops)."""
+
+    queue: asyncio.Queue
+    next_seq: int = 0  # the consumer's next message
+    state: str = "open"
+    drain_until: float = 0.0
+    done: bool = False  # the reader has returned
+
+
 class UcxReceiver(TransportReceiver):
-    """Decode side. `address` is what the prefill side must be told (host:port)."""
+    """Decode side. `address` is what the prefill side must be told (host:port).
+
+    Each open request has a reader on the engine loop that receives its messages in sequence as
+    soon as they arrive, up to `prefetch` ahead of the consumer, so the wire never waits for the
+    consumer to decode the previous layer."""
 
     def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
-                 device: torch.device | str = "cpu", drain_seconds: float = 5.0):
+                 device: torch.device | str = "cpu", drain_seconds: float = 5.0,
+                 prefetch: int = 4):
         self._engine = engine
         self._device = torch.device(device)
         self.drain_seconds = drain_seconds
+        self.prefetch = prefetch
         self._endpoints: list = []
         self._lock = threading.Lock()
-        self._next_seq: dict[str, int] = {}
+        self._inboxes: dict[str, _Inbox] = {}
         self._draining: set[str] = set()
         self._waiting: dict[str, concurrent.futures.Future] = {}
         # what the wire delivers: payload bytes over the time from posting a large message's
-        # receives to their completion, so slow consumers (a busy decode thread) do not count
+        # receives to their completion
         self.link = LinkEstimate(prior_gbps=10.0, min_bytes=LINK_SAMPLE_BYTES)
         self.strays = 0
         self._listener = engine.call(self._listen(port))
@@ -177,21 +238,63 @@ class UcxReceiver(TransportReceiver):
 
     def open(self, request_id: str) -> None:
         with self._lock:
-            if request_id in self._next_seq or request_id in self._draining:
+            if request_id in self._inboxes or request_id in self._draining:
                 raise TransportError(f"request {request_id}: already open")
-            self._next_seq[request_id] = 0
+            inbox = _Inbox(asyncio.Queue(self.prefetch))
+            self._inboxes[request_id] = inbox
+        self._engine.submit(self._read_ahead(request_id, inbox))
+
+    def _give_up(self, inbox: _Inbox) -> bool:
+        return inbox.state == "closed" or (inbox.state == "draining"
+                                           and time.monotonic() > inbox.drain_until)
+
+    async def _read_ahead(self, request_id: str, inbox: _Inbox) -> None:
+        seq = 0
+        try:
+            while True:
+                frame = await _take_frame(message_tag(request_id, seq, 0),
+                                          lambda: self._give_up(inbox))
+                if frame is None:
+                    return
+                draining = inbox.state != "open"
+                message = await self._recv_message(
+                    request_id, seq, frame, device=torch.device("cpu") if draining else None)
+                seq += 1
+                if inbox.state != "open":
+                    self._discard(inbox, 1)
+                    continue
+                await inbox.queue.put(message)
+                if inbox.state != "open":  # aborted while waiting for room
+                    self._discard(inbox, 0)
+        except Exception as exc:
+            if inbox.state == "open":
+                await inbox.queue.put(exc)  # the consumer raises it
+            else:  # a broken stray is still a stray; nothing else to free
+                self._discard(inbox, 1)
+        finally:
+            inbox.done = True
+            with self._lock:
+                self._draining.discard(request_id)
+
+    def _discard(self, inbox: _Inbox, received: int) -> None:
+        """Count `received` plus everything queued as strays, and empty the queue."""
+        while not inbox.queue.empty():
+            inbox.queue.get_nowait()
+            received += 1
+        inbox.drain_until = time.monotonic() + self.drain_seconds
+        with self._lock:
+            self.strays += received
 
     def recv(self, request_id: str, timeout: float) -> Message:
         with self._lock:
-            if request_id not in self._next_seq:
+            inbox = self._inboxes.get(request_id)
+            if inbox is None:
                 raise TransportError(f"request {request_id}: not open")
-            seq = self._next_seq[request_id]
-        future = self._engine.submit(asyncio.wait_for(self._recv_message(request_id, seq),
-                                                      timeout))
+        future = self._engine.submit(asyncio.wait_for(inbox.queue.get(), timeout))
         with self._lock:
             self._waiting[request_id] = future
         try:
-            message = future.result(timeout + 5)
+            item = future.result(timeout + 5)
         except (TimeoutError, asyncio.TimeoutError):
             future.cancel()
             raise TimeoutError(f"request {request_id}: no message within {timeout} s") from None
@@ -201,13 +304,19 @@ class UcxReceiver(TransportReceiver):
             with self._lock:
                 self._waiting.pop(request_id, None)
         with self._lock:
-            if self._next_seq.get(request_id) != seq:
+            if self._inboxes.get(request_id) is not inbox:
                 raise TransportError(f"request {request_id}: closed while receiving")
-            self._next_seq[request_id] = seq + 1
-        return message
+        if isinstance(item, BaseException):
+            raise item
+        if item.seq != inbox.next_seq:
+            raise TransportError(f"request {request_id}: message {item.seq}, expected "
+                                 f"{inbox.next_seq}")
+        inbox.next_seq += 1
+        return item
 
-    async def _recv_message(self, request_id: str, seq: int, device=None) -> Message:
-        meta = _decode_frame(await _take_frame(message_tag(request_id, seq, 0)))
+    async def _recv_message(self, request_id: str, seq: int, frame: torch.Tensor,
+                            device=None) -> Message:
+        meta = _decode_frame(frame)
         if meta["request_id"] != request_id or meta["seq"] != seq:
             raise TransportError(f"request {request_id}: frame of request {meta['request_id']} "
                                  f"message {meta['seq']} under the tag of message {seq}")
@@ -229,48 +338,36 @@ class UcxReceiver(TransportReceiver):
         return Message(request_id, seq, meta["name"], meta["header"].encode("latin-1"), buffers)
 
     def close(self, request_id: str) -> None:
-        self._forget(request_id)
+        self._end(request_id, "closed")
 
     def abort(self, request_id: str) -> None:
-        seq = self._forget(request_id)
-        if seq is None or self.drain_seconds <= 0:
-            return
-        with self._lock:
-            self._draining.add(request_id)
-        self._engine.submit(self._drain(request_id, seq))
+        self._end(request_id, "draining" if self.drain_seconds > 0 else "closed")
 
-    def _forget(self, request_id: str) -> int | None:
+    def _end(self, request_id: str, state: str) -> None:
         with self._lock:
+            inbox = self._inboxes.pop(request_id, None)
             waiting = self._waiting.pop(request_id, None)
-            if waiting is not None:
-                waiting.cancel()  # its thread raises "closed while receiving"
-            return self._next_seq.pop(request_id, None)
+            if inbox is None:
+                return
+            if state == "draining":
+                self._draining.add(request_id)
+        if waiting is not None:
+            waiting.cancel()  # its thread raises "closed while receiving"
 
-    async def _drain(self, request_id: str, seq: int) -> None:
-        """Take and discard this request's remaining messages until none arrives for a while."""
-        deadline = time.monotonic() + self.drain_seconds
-        try:
-            while time.monotonic() < deadline:
-                try:
-                    await asyncio.wait_for(
-                        self._recv_message(request_id, seq, device=torch.device("cpu")),
-                        max(0.0, deadline - time.monotonic()))
-                except (TimeoutError, asyncio.TimeoutError):
-                    return
+        def end() -> None:  # on the engine loop, where the reader looks at the state
+            inbox.state = state
+            self._discard(inbox, 0)
+            if inbox.done:
                 with self._lock:
-                    self.strays += 1
-                seq += 1
-                deadline = time.monotonic() + self.drain_seconds
-        except Exception:  # a broken stray is still a stray; nothing else to free
-            with self._lock:
-                self.strays += 1
-        finally:
-            with self._lock:
-                self._draining.discard(request_id)
+                    self._draining.discard(request_id)
+
+        self._engine.loop.call_soon_threadsafe(end)
 
     def pending(self) -> dict[str, int]:
         with self._lock:
-            return {"open_requests": len(self._next_seq), "buffered_messages": 0,
+            inboxes = list(self._inboxes.values())
+            return {"open_requests": len(inboxes),
+                    "buffered_messages": sum(i.queue.qsize() for i in inboxes),
                     "draining_requests": len(self._draining)}
 
     def shutdown(self) -> None:
