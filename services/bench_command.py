@@ -48,6 +48,10 @@ def add_bench_parser(sub) -> None:
                     "veth pair shaped with tc tbf, and time every action and the planner's pick "
                     "per prompt length and link rate. Without root it falls back to loopback "
                     "with paced UCX sends. No delay emulation (no netem on this kernel).")
+    link.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
+                      "smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
+    link.add_argument("--policy", default=None, help="`rekv gate` output the services load "
+                      "(default: the policy shipped for the model; none: lossless actions only)")
     link.add_argument("--dtype", default="bfloat16", help="service dtype (default bfloat16)")
     link.add_argument("--threads", type=int, default=None, help="torch threads per service")
     link.add_argument("--prompt-len", type=csv_of(int), default=None,
@@ -162,13 +166,16 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     lengths = args.prompt_len or ([256] if args.quick else [256, 1024])
     rates = [LinkRate.parse(t) for t in (args.link_gbps or (["x1", "10"] if args.quick
                                                              else ["x1", "x4", "10"]))]
-    settings = RuntimeSettings.from_env(dtype=args.dtype, torch_threads=args.threads)
+    settings = RuntimeSettings.from_env(model=args.model, dtype=args.dtype,
+                                        torch_threads=args.threads)
     threads = settings.apply_threads()
     model = settings.load_model()
     L = model.shape.num_layers
     cuts = args.cuts or ([L // 2] if args.quick else None)
     service_args = ["--dtype", args.dtype, "--model", settings.model, "--device",
                     settings.device]
+    if args.policy:
+        service_args += ["--policy", args.policy]
     if not args.pin or args.threads:  # pinned services default to one thread per core
         service_args += ["--torch-threads", str(threads)]
     console = Console(stderr=True)

@@ -48,6 +48,10 @@ def add_plan_parsers(sub) -> None:
                       help="cuts to evaluate (default every 3rd layer and L)")
     gate.add_argument("--epsilon", type=float, default=0.01,
                       help="largest relative perplexity rise allowed (default 0.01)")
+    gate.add_argument("--tokenizer", default=None,
+                      help="a .gguf whose tokenizer reads the text, or `embedded` (SmolLM2's); "
+                           "default: the model's own. Synthetic weights and checkpoint "
+                           "directories need one")
     gate.add_argument("--out", required=True, help="the policy file to write (JSON)")
     gate.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON")
     gate.set_defaults(func=cmd_gate)
@@ -90,10 +94,15 @@ def cmd_gate(args: argparse.Namespace) -> int:
         get_codec(codec)
     text = Path(args.text).read_text(encoding="utf-8")
     model, settings = _load_model(args)
-    if settings.model != "smollm2-135m" and not settings.model.endswith(".gguf"):
-        raise ValueError("model: the gate needs a tokenizer (the embedded model or a .gguf)")
-    gguf = embedded_gguf_path() if settings.model == "smollm2-135m" else settings.model
-    tokenizer = GGUFTokenizer.from_gguf(gguf)
+    source = args.tokenizer or settings.model
+    if source not in ("smollm2-135m", "embedded") and not source.endswith(".gguf"):
+        raise ValueError("tokenizer: the gate needs one; pass --tokenizer FILE.gguf or "
+                         "--tokenizer embedded")
+    tokenizer = GGUFTokenizer.from_gguf(
+        embedded_gguf_path() if source in ("smollm2-135m", "embedded") else source)
+    if tokenizer.vocab_size > model.shape.vocab_size:
+        raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens exceed the model's "
+                         f"vocabulary of {model.shape.vocab_size}")
     L = model.shape.num_layers
     cuts = args.cuts or sorted({*range(3, L, 3), L})
     for cut in cuts:

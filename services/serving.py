@@ -43,7 +43,7 @@ class Worker:
         self.threads = runtime.apply_threads()
         self.model = runtime.load_model()
         self.shape = self.model.shape
-        self.engine = UcxEngine(settings.ucx_progress_nice)
+        self.engine = UcxEngine(settings.progress_nice)
 
 
 class InvalidArgument(ValueError):

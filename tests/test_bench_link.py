@@ -3,8 +3,10 @@ namespaces (as root), and the loopback fallback."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,3 +66,24 @@ def test_emulated_link_is_removed_even_after_an_error():
             assert link.prefill_ns in _namespaces()
             raise RuntimeError("boom")
     assert _namespaces() == before
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=f"emulated link: {unavailable()}")
+def test_sigterm_stops_the_services_and_removes_the_namespaces(tmp_path):
+    before = _namespaces()
+    logs = tmp_path / "logs"
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "bench", "link", "--prompt-len", "32",
+         "--link-gbps", "2", "--cuts", "15", "--runs", "1000", "--log-dir", str(logs)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not (logs / "decode.ready.json").exists():
+        assert bench.poll() is None, bench.stderr.read()[-3000:]
+        assert time.monotonic() < deadline, "the services never became ready"
+        time.sleep(0.2)
+    time.sleep(2)  # requests are flowing
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(120) != 0
+    assert _namespaces() == before
+    services = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True)
+    assert services.stdout == ""  # both services have exited

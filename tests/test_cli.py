@@ -58,3 +58,19 @@ def test_serve_rejects_bad_settings_by_name():
     assert result.returncode == 2 and "prefill_address" in result.stderr
     result = _rekv("serve", "prefill", "--codecs", "int3")
     assert result.returncode == 2 and "codecs" in result.stderr
+
+
+def test_gate_on_synthetic_weights_needs_and_takes_a_tokenizer(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog near the river bank. " * 300)
+    out = tmp_path / "policy.json"
+    base = ("gate", "--model", "synthetic:mini-qwen2.5-7b", "--text", str(text), "--prompt-len",
+            "48", "--prompts", "2", "--continuation", "4", "--codecs", "int8", "--cuts", "14,28",
+            "--out", str(out))
+    result = _rekv(*base)
+    assert result.returncode == 2 and "tokenizer" in result.stderr
+    result = _rekv(*base, "--tokenizer", "embedded")
+    assert result.returncode == 0, result.stderr[-3000:]
+    policy = json.loads(out.read_text())
+    assert policy["model"] == "mini-qwen2.5-7b"
+    assert {(v["codec"], v["cut"]) for v in policy["verdicts"]} == {("int8", 14), ("int8", 28)}

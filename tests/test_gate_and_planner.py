@@ -100,10 +100,16 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
                                                        {"joint": 10.0})
     assert slow_joint.action.kind.value != "joint"  # measured 10x slower than modelled
+    # an action's own measured ratio overrides its kind's
+    own = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
+                                                {"joint": 10.0, "int8:20": 0.5})
+    assert own.action == Action("int8", 20, 30)
     ratios = RecentRatios(window=3)
     for measured in (10, 20, 30, 40):
-        ratios.observe("joint", 10.0, measured)
-    assert ratios.medians() == {"joint": 3.0}
+        ratios.observe(Action("int8", 21, 30), 1024, 10.0, measured)
+    ratios.observe(Action("int8", 9, 30), 256, 10.0, 5.0)
+    assert ratios.medians(1024) == {"joint": 3.0, "int8:21": 3.0}
+    assert ratios.medians(256) == {"joint": 3.0, "int8:9": 0.5}
 
 
 def test_shipped_policy_is_valid_if_present():

@@ -23,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,6 +105,21 @@ def forced_actions(num_layers: int, cuts: Sequence[int]) -> list[list | None]:
 
 def run_link_bench(model: Model, config: LinkBenchConfig,
                    progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The sweep. SIGTERM ends it like Ctrl-C: the services stop and the namespaces go."""
+    if threading.current_thread() is not threading.main_thread():
+        return _run(model, config, progress)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(model, config, progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _run(model: Model, config: LinkBenchConfig, progress: Callable[[str], None]) -> dict:
     from services.launcher import ServicePair
 
     shape = model.shape
@@ -127,6 +144,7 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
     log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="rekv-link-"))
     rows, points = [], []
     link = None if why_not else EmulatedLink(first_rate)
+    pair = None
     try:
         if link:
             progress(f"emulated link: namespaces {link.prefill_ns} and {link.decode_ns}, veth "
@@ -139,7 +157,6 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
             client_prefix = link.prefix("decode")
         else:
             progress(f"no emulated link ({why_not}): loopback with paced UCX sends instead")
-            pair = None
             client_prefix = []
         for rate in config.rates:
             for S in config.prompt_lens:
@@ -166,8 +183,10 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
                          f"ms, planner {points[-1]['planner']['label']} "
                          f"{points[-1]['planner']['median_ms']:.1f} ms "
                          f"({time.perf_counter() - started:.0f} s)")
-        codes = pair.stop() if pair else {}
+        codes, pair = (pair.stop() if pair else {}), None
     finally:
+        if pair is not None:  # an error or a signal: stop the services before their namespaces go
+            pair.stop()
         if link:
             link.close()
     return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
@@ -178,7 +197,8 @@ def run_link_bench(model: Model, config: LinkBenchConfig,
                      else f"loopback, paced UCX sends ({why_not})",
                      "delay_emulation": "none: this kernel has no netem",
                      "service_exit_codes": codes, "logs": str(log_dir),
-                     "service_cores": {"prefill": prefill_cores, "decode": decode_cores}},
+                     "service_cores": {"prefill": prefill_cores, "decode": decode_cores},
+                     "service_args": service_args},
             "balanced_gbps": balanced, "rows": rows, "points": points}
 
 

@@ -2,10 +2,11 @@
 
 `Planner(policy)` ranks every (b, c) the cost model predicts (`cost.choose`) and keeps only those
 the quality gate's policy allows for this prompt length (outside the policy's range, only lossless
-actions: BF16 and token-only). Each prediction is then corrected by how wrong predictions of that
-action kind have recently been on the decode worker (`corrections`: median of measured/predicted
-over recent handoffs, which the decode side reports in its offer), following the seed: the final
-choice uses measured latency. Between near-equal actions it keeps the previous choice (hysteresis).
+actions: BF16 and token-only). Each prediction is then corrected by how wrong predictions have
+recently been on the decode worker (`corrections`: medians of measured/modelled time over recent
+handoffs, which the decode side reports in its offer): the action's own median at prompts of
+this length where it ran recently, else its kind's, following the seed: the final choice uses
+measured latency. Between near-equal actions it keeps the previous choice (hysteresis).
 `RecentRatios` keeps those medians on the decode side.
 """
 
@@ -62,8 +63,8 @@ class Planner:
         for prediction in choose(inputs, codecs):
             if not self.allowed(prediction.action, inputs.prompt_len):
                 continue
-            factor = corrections.get(prediction.action.kind.value, 1.0)
-            ranked.append((prediction, prediction.total_ms * (factor if factor > 0 else 1.0)))
+            ranked.append((prediction,
+                           prediction.total_ms * correction(corrections, prediction.action)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
         best, best_ms = ranked[0]
         key = inputs.prompt_len.bit_length()
@@ -76,19 +77,40 @@ class Planner:
         return Decision(best.action, best_ms, ranked)
 
 
+def action_key(action: Action) -> str:
+    """The key of one action's own ratio in an offer's corrections: `codec:cut`."""
+    return f"{action.codec}:{action.cut}"
+
+
+def correction(corrections: Mapping[str, float], action: Action) -> float:
+    """The action's own measured/modelled ratio, else its kind's, else 1."""
+    for key in (action_key(action), action.kind.value):
+        factor = corrections.get(key, 0.0)
+        if factor > 0:
+            return factor
+    return 1.0
+
+
 class RecentRatios:
-    """Measured over predicted handoff time, by action kind, over the last `window` handoffs."""
+    """Measured over modelled handoff time over the last `window` handoffs: by action kind, and
+    by action within each power of two of the prompt length."""
 
     def __init__(self, window: int = 16):
-        self._ratios: dict[str, collections.deque] = collections.defaultdict(
+        self._ratios: dict[tuple, collections.deque] = collections.defaultdict(
             lambda: collections.deque(maxlen=window))
         self._lock = threading.Lock()
 
-    def observe(self, kind: str, predicted_ms: float, measured_ms: float) -> None:
-        if predicted_ms > 0 and measured_ms > 0:
+    def observe(self, action: Action, prompt_len: int, modelled_ms: float,
+                measured_ms: float) -> None:
+        if modelled_ms > 0 and measured_ms > 0:
             with self._lock:
-                self._ratios[kind].append(measured_ms / predicted_ms)
+                for key in (action.kind.value, (prompt_len.bit_length(), action_key(action))):
+                    self._ratios[key].append(measured_ms / modelled_ms)
 
-    def medians(self) -> dict[str, float]:
+    def medians(self, prompt_len: int) -> dict[str, float]:
+        """The corrections to offer for a prompt of `prompt_len` tokens."""
+        bucket = prompt_len.bit_length()
         with self._lock:
-            return {kind: statistics.median(r) for kind, r in self._ratios.items() if r}
+            return {key if isinstance(key, str) else key[1]: statistics.median(r)
+                    for key, r in self._ratios.items()
+                    if r and (isinstance(key, str) or key[0] == bucket)}

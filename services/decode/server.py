@@ -117,7 +117,7 @@ class DecodeWorker(Worker):
             suffix_ms_per_layer=gamma, restore_ms_per_mib=self.restore_ms_per_mib,
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
             model=self.shape.name, num_layers=self.shape.num_layers,
-            measured_over_model=self.recent.medians(),
+            measured_over_model=self.recent.medians(prompt_len),
             link_gbps=self.receiver.link.gbps if self.receiver.link.samples else 0.0,
             message_ms=self.message_ms.value)
 
@@ -286,7 +286,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         metrics.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
         if response.predicted_ms > 0:
             metrics.prediction_error.observe(handoff_s * 1e3 / response.predicted_ms)
-        worker.recent.observe(action.kind.value, response.model_ms, handoff_s * 1e3)
+        worker.recent.observe(action, len(ids), response.model_ms, handoff_s * 1e3)
         return {
             "cache": result.cache, "logits": result.logits,
             "action": action_to_proto(action), "action_kind": action.kind.value,

@@ -24,7 +24,7 @@ from rekv_core.model import prefill
 from rekv_core.plan import CostInputs, predict
 from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.plan.measure import measure_codec_costs
-from rekv_core.plan.planner import Planner
+from rekv_core.plan.planner import Planner, correction
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.profile import Profile
 from rekv_core.transport.ucx import UcxSender
@@ -109,9 +109,9 @@ class PrefillWorker(Worker):
         if request.HasField("forced_action"):
             action = action_from_proto(request.forced_action, self.shape.num_layers)
             model_ms = predict(action, inputs).total_ms
-            factor = offer.measured_over_model.get(action.kind.value, 1.0)
-            return action, model_ms * factor, model_ms, decision.candidates
-        model_ms = decision.candidates[0][0].total_ms
+            return (action, model_ms * correction(offer.measured_over_model, action), model_ms,
+                    decision.candidates)
+        model_ms = predict(decision.action, inputs).total_ms  # hysteresis may keep another
         return decision.action, decision.predicted_ms, model_ms, decision.candidates
 
     def handoff(self, request, action: Action, deadline_s: float | None) -> dict:
