@@ -52,6 +52,9 @@ def add_bench_parser(sub) -> None:
                       "smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
     link.add_argument("--policy", default=None, help="`rekv gate` output the services load "
                       "(default: the policy shipped for the model; none: lossless actions only)")
+    link.add_argument("--service-arg", action="append", default=[], metavar="FLAG",
+                      help="one more flag for both services, e.g. "
+                           "--service-arg=--ucx-progress-nice=0 (repeatable)")
     link.add_argument("--dtype", default="bfloat16", help="service dtype (default bfloat16)")
     link.add_argument("--threads", type=int, default=None, help="torch threads per service")
     link.add_argument("--prompt-len", type=csv_of(int), default=None,
@@ -176,6 +179,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                     settings.device]
     if args.policy:
         service_args += ["--policy", args.policy]
+    service_args += args.service_arg
     if not args.pin or args.threads:  # pinned services default to one thread per core
         service_args += ["--torch-threads", str(threads)]
     console = Console(stderr=True)

@@ -43,7 +43,9 @@ class Worker:
         self.threads = runtime.apply_threads()
         self.model = runtime.load_model()
         self.shape = self.model.shape
-        self.engine = UcxEngine(settings.progress_nice)
+        # host memory travels eagerly into large socket buffers; device memory needs rendezvous
+        self.engine = UcxEngine(settings.loop_nice,
+                                host_eager=self.model.device.type == "cpu")
 
 
 class InvalidArgument(ValueError):

@@ -16,11 +16,12 @@ from rekv_core.codecs import codec_names
 from rekv_core.settings import RuntimeSettings
 
 ROLES = ("prefill", "decode")
-# The decode worker recomputes the suffix while its UCX progress thread busy-polls the prefix in;
-# at nice 8 the poller yields the core to the recompute on a shared core and still keeps up with
-# the wire (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its
-# sends, so its poller keeps the process's priority.
-DEFAULT_NICE = {"prefill": 0, "decode": 8}
+# The decode worker recomputes the suffix while its UCX loop thread waits for the prefix, and in
+# ucxx's threaded progress mode that wait busy-polls; at nice 19 the loop yields the core to the
+# recompute, while the kernel's socket buffers take the eagerly sent prefix in (CPU workers:
+# `UcxEngine(host_eager=True)`) and the loop catches up once the recompute is done
+# (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
+DEFAULT_NICE = {"prefill": 0, "decode": 19}
 
 @dataclass(frozen=True)
 class ServiceSettings:
@@ -40,8 +41,9 @@ class ServiceSettings:
     codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
     link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
     pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
-    # Linux nice of UCX's busy-polling progress threads; -1: the role's default (DEFAULT_NICE)
-    ucx_progress_nice: int = -1
+    # Linux nice of the thread that drives UCX (it busy-polls while waiting for data); -1: the
+    # role's default (DEFAULT_NICE)
+    ucx_loop_nice: int = -1
     profile: str = ""  # `rekv profile` output; empty: measure a short profile at start
     policy: str = ""  # `rekv gate` output; empty: the policy shipped for the model, if any
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
@@ -65,9 +67,9 @@ class ServiceSettings:
                              f"got {list(self.codecs)}")
         if self.pace_gbps < 0:
             raise ValueError(f"pace_gbps: must be >= 0, got {self.pace_gbps}")
-        if not -1 <= self.ucx_progress_nice <= 19:
-            raise ValueError(f"ucx_progress_nice: must lie in [0, 19] (or -1: the role's "
-                             f"default), got {self.ucx_progress_nice}")
+        if not -1 <= self.ucx_loop_nice <= 19:
+            raise ValueError(f"ucx_loop_nice: must lie in [0, 19] (or -1: the role's "
+                             f"default), got {self.ucx_loop_nice}")
         if self.link_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
         if self.role == "decode" and not self.prefill_address:
@@ -75,9 +77,8 @@ class ServiceSettings:
         self.runtime  # validates model, device and dtype
 
     @property
-    def progress_nice(self) -> int:
-        return (DEFAULT_NICE[self.role] if self.ucx_progress_nice < 0
-                else self.ucx_progress_nice)
+    def loop_nice(self) -> int:
+        return DEFAULT_NICE[self.role] if self.ucx_loop_nice < 0 else self.ucx_loop_nice
 
     @property
     def runtime(self) -> RuntimeSettings:

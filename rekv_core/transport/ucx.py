@@ -47,7 +47,12 @@ from rekv_core.transport.base import Message, TransportError, TransportReceiver,
 
 MAX_FRAME = 1 << 16  # bytes of part 0 of a message
 MAX_BUFFERS = 15
-LINK_SAMPLE_BYTES = 256 << 10  # messages this large travel by rendezvous and time the link
+LINK_SAMPLE_BYTES = 256 << 10  # a transfer's first message this large times the link
+# Host-memory tuning (`UcxEngine(host_eager=True)`): every message travels eagerly, so the sender
+# needs no rendezvous handshake with a receiver whose progress thread may be busy-waiting for a
+# core, and large socket buffers let the kernel take the data in meanwhile. Process-wide, read when
+# UCX starts; variables already set win. Not for CUDA memory, which needs rendezvous (zero copy).
+HOST_EAGER_ENV = {"UCX_RNDV_THRESH": "inf", "UCX_TCP_SNDBUF": "4M", "UCX_TCP_RCVBUF": "4M"}
 MAX_SEQ = (1 << 12) - 1
 
 
@@ -84,52 +89,38 @@ def _wire_view(buffer: torch.Tensor):
     return buffer if buffer.is_cuda else buffer.numpy()
 
 
-_ucx_native_threads: set[int] = set()  # UCX's threads in this process, found as they start
-
-
-def _thread_ids() -> set[int]:
-    try:
-        return {int(tid) for tid in os.listdir("/proc/self/task")}
-    except OSError:  # not Linux: nothing to adjust
-        return set()
-
-
 class UcxEngine:
     """A thread running an asyncio loop that owns every UCX call of this process.
 
-    UCX is progressed by ucxx's own native threads (a progress thread, UCX's async thread), started
-    here. The progress thread busy-polls while transfers are in flight; `progress_nice` > 0 lowers
-    those threads' scheduling priority (Linux nice), so that where the data plane shares cores with
-    compute, the compute keeps its core and the data plane takes what is left. The threads belong
-    to the process, not to one engine: the last engine made sets their priority.
-    `native_threads` lists their thread ids."""
+    Waiting for a message, the loop probes UCX (`_take_frame`), and in ucxx's threaded progress
+    mode each probe busy-waits for the progress thread; `loop_nice` > 0 lowers this thread's
+    scheduling priority (Linux nice), so that where the data plane shares a core with compute,
+    the compute keeps the core. With `host_eager` (`HOST_EAGER_ENV`, applied before UCX first
+    starts in this process) the sender needs no handshake with this thread, so a late probe does
+    not hold the wire: the kernel's socket buffers take the data in meanwhile."""
 
-    def __init__(self, progress_nice: int = 0):
-        if not 0 <= progress_nice <= 19:
-            raise ValueError(f"progress_nice: must lie in [0, 19], got {progress_nice}")
+    def __init__(self, loop_nice: int = 0, host_eager: bool = False):
+        if not 0 <= loop_nice <= 19:
+            raise ValueError(f"loop_nice: must lie in [0, 19], got {loop_nice}")
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        for name, value in HOST_EAGER_ENV.items() if host_eager else ():
+            os.environ.setdefault(name, value)
         import ucxx  # noqa: F401  (fail here, clearly, when ucxx is missing)
 
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="rekv-ucx",
-                                        daemon=True)
+        self.loop_nice = loop_nice
+        self._thread = threading.Thread(target=self._run, name="rekv-ucx", daemon=True)
         self._thread.start()
         self._closed = False
-        before = _thread_ids()
-        self.call(self._start_progress(), 60)
-        now = _thread_ids()
-        _ucx_native_threads.update(now - before - {t.native_id for t in threading.enumerate()})
-        _ucx_native_threads.intersection_update(now)
-        self.native_threads = sorted(_ucx_native_threads)
-        for tid in self.native_threads:
-            try:
-                os.setpriority(os.PRIO_PROCESS, tid, progress_nice)
-            except OSError:  # the thread has ended already
-                pass
 
-    @staticmethod
-    async def _start_progress() -> None:
-        _context().continuous_ucx_progress()
+    def _run(self) -> None:
+        if self.loop_nice:
+            os.setpriority(os.PRIO_PROCESS, 0, self.loop_nice)  # Linux: this thread only
+        self.loop.run_forever()
+
+    @property
+    def thread_id(self) -> int | None:
+        return self._thread.native_id
 
     def submit(self, coro: Coroutine):
         if self._closed:
@@ -185,7 +176,7 @@ async def _take_frame(tag: int, give_up: Callable[[], bool]) -> torch.Tensor | N
         if give_up():
             return None
         await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.001)  # at most 1 ms late, at most ~1000 wake-ups/s idle
+        delay = min(2 * delay, 0.001)  # at most 1 ms late
 
 
 @dataclass(eq=False)
@@ -221,8 +212,8 @@ class UcxReceiver(TransportReceiver):
         self._inboxes: dict[str, _Inbox] = {}
         self._draining: set[str] = set()
         self._waiting: dict[str, concurrent.futures.Future] = {}
-        # what the wire delivers: payload bytes over the time from posting a large message's
-        # receives to their completion
+        # what the wire delivers: the payload bytes of each transfer's first large message over
+        # the time from its frame's arrival to its last byte
         self.link = LinkEstimate(prior_gbps=10.0, min_bytes=LINK_SAMPLE_BYTES)
         self.strays = 0
         self._listener = engine.call(self._listen(port))
@@ -250,16 +241,23 @@ class UcxReceiver(TransportReceiver):
 
     async def _read_ahead(self, request_id: str, inbox: _Inbox) -> None:
         seq = 0
+        timed = False
         try:
             while True:
                 frame = await _take_frame(message_tag(request_id, seq, 0),
                                           lambda: self._give_up(inbox))
                 if frame is None:
                     return
+                arrived = time.perf_counter()
                 draining = inbox.state != "open"
                 message = await self._recv_message(
                     request_id, seq, frame, device=torch.device("cpu") if draining else None)
                 seq += 1
+                if not timed and message.payload_bytes >= LINK_SAMPLE_BYTES:
+                    # The first large message arrives before the decode worker starts computing
+                    # anything, so the progress thread was not waiting for a core meanwhile.
+                    self.link.observe(message.payload_bytes, time.perf_counter() - arrived)
+                    timed = True
                 if inbox.state != "open":
                     self._discard(inbox, 1)
                     continue
@@ -330,11 +328,7 @@ class UcxReceiver(TransportReceiver):
             buffers[name] = buf
             if nbytes:
                 receives.append(_recv_tag(_wire_view(buf), message_tag(request_id, seq, part)))
-        posted = time.perf_counter()
         await asyncio.gather(*receives)
-        nbytes = sum(b.numel() for b in buffers.values())
-        if nbytes >= LINK_SAMPLE_BYTES:  # rendezvous: the data moved after the receive was posted
-            self.link.observe(nbytes, time.perf_counter() - posted)
         return Message(request_id, seq, meta["name"], meta["header"].encode("latin-1"), buffers)
 
     def close(self, request_id: str) -> None:
