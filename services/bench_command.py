@@ -54,7 +54,7 @@ def add_bench_parser(sub) -> None:
                       "(default: the policy shipped for the model; none: lossless actions only)")
     link.add_argument("--service-arg", action="append", default=[], metavar="FLAG",
                       help="one more flag for both services, e.g. "
-                           "--service-arg=--ucx-progress-nice=0 (repeatable)")
+                           "--service-arg=--ucx-loop-nice=0 (repeatable)")
     link.add_argument("--dtype", default="bfloat16", help="service dtype (default bfloat16)")
     link.add_argument("--threads", type=int, default=None, help="torch threads per service")
     link.add_argument("--prompt-len", type=csv_of(int), default=None,

@@ -16,15 +16,15 @@ another request, or a late message of a closed one, can never be received into t
 Request ids must be unique per transfer (the services add a nonce to each request's id).
 
 Each open request has a reader on the engine loop that receives its messages in order as soon as
-they arrive, up to `prefetch` messages ahead of the consumer: a rendezvous send completes while the
-consumer is still decoding the previous layer, so the wire does not idle between messages. A
+they arrive, up to `prefetch` messages ahead of the consumer, so the wire does not idle while the
+consumer decodes the previous layer (a rendezvous send completes only once its receive is posted). A
 request aborted before its last message (timeout, error, cancelled request) is drained: its reader
 discards what it has queued and, for `drain_seconds` after the last arrival, takes and discards the
 remaining messages in order, so the sender's pending sends complete and UCX holds no unexpected data
 for it; they count as `strays`.
-Messages for a request that is never opened are never received: a large one (UCX rendezvous) makes
-the sender's `flush` time out, a small one (eager) stays in UCX's unexpected queue until the worker
-closes. The services only send for requests the decode side has opened.
+Messages for a request that is never opened are never received: a large one sent by rendezvous makes
+the sender's `flush` time out, an eager one stays in UCX's unexpected queue until the worker closes.
+The services only send for requests the decode side has opened.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ MAX_FRAME = 1 << 16  # bytes of part 0 of a message
 MAX_BUFFERS = 15
 LINK_SAMPLE_BYTES = 256 << 10  # a transfer's first message this large times the link
 # Host-memory tuning (`UcxEngine(host_eager=True)`): every message travels eagerly, so the sender
-# needs no rendezvous handshake with a receiver whose progress thread may be busy-waiting for a
-# core, and large socket buffers let the kernel take the data in meanwhile. Process-wide, read when
+# needs no rendezvous handshake with a receiver whose loop thread may be waiting for a core, and
+# large socket buffers let the kernel take the data in meanwhile. Process-wide, read when
 # UCX starts; variables already set win. Not for CUDA memory, which needs rendezvous (zero copy).
 HOST_EAGER_ENV = {"UCX_RNDV_THRESH": "inf", "UCX_TCP_SNDBUF": "4M", "UCX_TCP_RCVBUF": "4M"}
 MAX_SEQ = (1 << 12) - 1
+PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
 
 
 def message_tag(request_id: str, seq: int, part: int) -> int:
@@ -176,7 +177,7 @@ async def _take_frame(tag: int, give_up: Callable[[], bool]) -> torch.Tensor | N
         if give_up():
             return None
         await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.001)  # at most 1 ms late
+        delay = min(2 * delay, PROBE_INTERVAL_MAX)
 
 
 @dataclass(eq=False)
@@ -255,8 +256,11 @@ class UcxReceiver(TransportReceiver):
                 seq += 1
                 if not timed and message.payload_bytes >= LINK_SAMPLE_BYTES:
                     # The first large message arrives before the decode worker starts computing
-                    # anything, so the progress thread was not waiting for a core meanwhile.
-                    self.link.observe(message.payload_bytes, time.perf_counter() - arrived)
+                    # anything, so this loop was not waiting for a core meanwhile. Its frame may
+                    # have waited up to one probe interval unseen while the payload streamed in:
+                    # counting that interval keeps fast links from looking faster than they are.
+                    self.link.observe(message.payload_bytes,
+                                      time.perf_counter() - arrived + PROBE_INTERVAL_MAX)
                     timed = True
                 if inbox.state != "open":
                     self._discard(inbox, 1)

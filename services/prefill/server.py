@@ -173,10 +173,14 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         metrics.count_bytes(report.bytes)
         metrics.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
         log.info("request=%s transfer=%s tokens=%d action=%s predicted_ms=%.1f prefill_ms=%.1f "
-                 "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f total_ms=%.1f",
+                 "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
+                 "top=%s total_ms=%.1f",
                  request.request_id, request.transfer_id, len(request.token_ids), action,
                  predicted_ms, done["prefill_s"] * 1e3, report.quantize_seconds * 1e3,
-                 done["send_s"] * 1e3, report.bytes.total, worker.link.gbps, total * 1e3)
+                 done["send_s"] * 1e3, report.bytes.total, worker.link.gbps,
+                 request.offer.link_gbps,
+                 ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}" for p, ms in candidates[:4]),
+                 total * 1e3)
         return rekv_pb2.HandoffResponse(
             action=action_to_proto(action), action_kind=action.kind.value,
             predicted_ms=predicted_ms,
