@@ -7,7 +7,8 @@ MiB = 1 << 20
 
 @pytest.mark.parametrize("name, ratio", [("qwen2.5-7b", 3.5), ("llama-3.1-8b", 2.0),
                                          ("qwen2.5-3b", 4.0), ("qwen3-8b", 2.0),
-                                         ("smollm2-135m", 1.5), ("mini-qwen2.5-7b", 3.5)])
+                                         ("smollm2-135m", 1.5), ("mini-qwen2.5-7b", 3.5),
+                                         ("mini-qwen3-8b", 2.0)])
 def test_boundary_to_layer_ratio_is_eq3(name, ratio):
     shape = get_preset(name)
     assert shape.boundary_bytes(1000) / shape.kv_layer_bytes(1000) == ratio
@@ -41,8 +42,10 @@ def test_embedded_gguf_shape_is_the_preset():
     assert shape == get_preset("smollm2-135m")
 
 
-def test_the_cpu_sized_preset_keeps_qwen7b_proportions():
-    mini, full = get_preset("mini-qwen2.5-7b"), get_preset("qwen2.5-7b")
+@pytest.mark.parametrize("mini_name, full_name", [("mini-qwen2.5-7b", "qwen2.5-7b"),
+                                                  ("mini-qwen3-8b", "qwen3-8b")])
+def test_cpu_sized_presets_keep_their_models_proportions(mini_name, full_name):
+    mini, full = get_preset(mini_name), get_preset(full_name)
     assert mini.num_layers == full.num_layers and mini.family == full.family
     assert mini.num_heads // mini.num_kv_heads == full.num_heads // full.num_kv_heads
     assert mini.hidden_size * 8 == full.hidden_size

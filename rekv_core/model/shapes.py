@@ -117,6 +117,12 @@ PRESETS: dict[str, ModelShape] = {
                    num_heads=7, num_kv_heads=1, head_dim=64, ffn_size=2368,
                    vocab_size=151936, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False,
                    max_positions=32768),
+        # Qwen3-8B's proportions at 1/8 of its width, sized for a CPU: the same depth (36), GQA
+        # ratio (4:1), head_dim (128), boundary-to-layer-KV ratio (2) and FFN ratio (3).
+        ModelShape(name="mini-qwen3-8b", family="qwen3", num_layers=36, hidden_size=512,
+                   num_heads=4, num_kv_heads=1, head_dim=128, ffn_size=1536,
+                   vocab_size=151936, rope_theta=1e6, rms_eps=1e-6, tie_embeddings=False,
+                   max_positions=40960),
     )
 }
 

@@ -126,9 +126,17 @@ class DecodeWorker(Worker):
         if layers and expected > 0:
             self.gamma_scale.update(seconds * 1e3 / expected)
 
-    def observe_prefix(self, action, prompt_len: int, wire, x_seconds: float) -> None:
-        """Learn the fixed per-message cost from X: what the bytes and the restore do not explain."""
+    def observe_prefix(self, action, prompt_len: int, wire, x_seconds: float,
+                       r_seconds: float) -> None:
+        """Learn the fixed per-message cost from X: what the bytes and the restore do not explain.
+
+        Only from handoffs whose prefix was not held back by the suffix: transfer-only, or a prefix
+        that was still arriving well after the suffix was done (X > 1.2 R). While the suffix runs,
+        the UCX loop yields the core (`ucx_loop_nice`), so a prefix that ends with the suffix says
+        how long the suffix took, not what a message costs."""
         if action.cut == 0 or self.receiver.link.samples == 0:
+            return
+        if r_seconds > 0 and x_seconds <= 1.2 * r_seconds:
             return
         layers = action.cut
         wire_ms = (wire.prefix + wire.scales) * 8 / (self.receiver.link.gbps * 1e9) * 1e3
@@ -276,7 +284,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         worker.join_ms.update(t["J"] * 1e3)
         action = result.action
         worker.observe_suffix(len(ids), worker.shape.num_layers - action.cut, t["R"], load)
-        worker.observe_prefix(action, len(ids), result.bytes, t["X"])
+        worker.observe_prefix(action, len(ids), result.bytes, t["X"], t["R"])
         metrics.handoff.observe(handoff_s)
         metrics.boundary.observe(max(0.0, t["H"] - prefill_s))
         metrics.prefix.observe(t["X"])
