@@ -9,13 +9,13 @@ For each prompt length S and link rate (Gb/s, or xK: K times S's balanced rate, 
 BF16 KV takes as long on the link as computing all layers), a client inside the decode namespace
 (`link_client`) sends, per action: W warm-up and N timed requests with one new token. Actions: full
 BF16, int8 transfer-only, BF16 recompute and joint int8 at each cut of the sweep, token-only, then
-the planner's own choice (no forced action). Where the machine has two cores or more, each service
-is pinned to its own half of them (`taskset`), with as many torch threads as cores, and the
-balanced rate is measured under the same pinning: two nodes do not share cores, and without the
-pinning the decode side's recompute and the prefill side's encoding and sends would compete. Per point it reports medians with 95% bootstrap
-intervals of the measured handoff time (the end of the prefill to the complete cache on the decode
-worker), speedups over full BF16, the best action, and whether the planner's pick is within 10%
-of it.
+the planner's own choice (no forced action). Where the machine has two cores or more, each
+service is pinned to its own half of them (`taskset`), with as many torch threads as cores, and
+the balanced rate is measured under the same pinning: two nodes do not share cores, and without
+the pinning the decode side's recompute and the prefill side's encoding and sends would compete.
+Per point it reports medians with 95% bootstrap intervals of the measured handoff time (the end
+of the prefill to the complete cache on the decode worker), speedups over full BF16, the best
+action, and whether the planner's pick is within 10% of it.
 """
 
 from __future__ import annotations

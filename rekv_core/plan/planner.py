@@ -27,6 +27,7 @@ from rekv_core.plan.policy import Policy
 class Decision:
     action: Action
     predicted_ms: float  # corrected
+    model_ms: float  # eq. 9's prediction of the chosen action, before the correction
     candidates: list[tuple[Prediction, float]]  # (model prediction, corrected ms), best first
 
     def as_dict(self) -> dict:
@@ -74,7 +75,7 @@ class Planner:
             if kept is not None and kept[1] <= best_ms * (1 + self.hysteresis):
                 best, best_ms = kept
             self._last[key] = best.action
-        return Decision(best.action, best_ms, ranked)
+        return Decision(best.action, best_ms, best.total_ms, ranked)
 
 
 def action_key(action: Action) -> str:
@@ -96,21 +97,25 @@ class RecentRatios:
     by action within each power of two of the prompt length."""
 
     def __init__(self, window: int = 16):
-        self._ratios: dict[tuple, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=window))
+        def recent() -> collections.deque:
+            return collections.deque(maxlen=window)
+
+        self._by_kind: dict[str, collections.deque] = collections.defaultdict(recent)
+        # prompt-length bucket -> action key -> ratios
+        self._by_action: dict[int, dict[str, collections.deque]] = collections.defaultdict(
+            lambda: collections.defaultdict(recent))
         self._lock = threading.Lock()
 
     def observe(self, action: Action, prompt_len: int, modelled_ms: float,
                 measured_ms: float) -> None:
         if modelled_ms > 0 and measured_ms > 0:
+            ratio = measured_ms / modelled_ms
             with self._lock:
-                for key in (action.kind.value, (prompt_len.bit_length(), action_key(action))):
-                    self._ratios[key].append(measured_ms / modelled_ms)
+                self._by_kind[action.kind.value].append(ratio)
+                self._by_action[prompt_len.bit_length()][action_key(action)].append(ratio)
 
     def medians(self, prompt_len: int) -> dict[str, float]:
         """The corrections to offer for a prompt of `prompt_len` tokens."""
-        bucket = prompt_len.bit_length()
         with self._lock:
-            return {key if isinstance(key, str) else key[1]: statistics.median(r)
-                    for key, r in self._ratios.items()
-                    if r and (isinstance(key, str) or key[0] == bucket)}
+            series = {**self._by_kind, **self._by_action.get(prompt_len.bit_length(), {})}
+            return {key: statistics.median(r) for key, r in series.items() if r}

@@ -195,11 +195,8 @@ class _Inbox:
 
 
 class UcxReceiver(TransportReceiver):
-    """Decode side. `address` is what the prefill side must be told (host:port).
-
-    Each open request has a reader on the engine loop that receives its messages in sequence as
-    soon as they arrive, up to `prefetch` ahead of the consumer, so the wire never waits for the
-    consumer to decode the previous layer."""
+    """Decode side. `address` is what the prefill side must be told (host:port); `prefetch` is how
+    many messages each open request's reader may receive ahead of its consumer."""
 
     def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
                  device: torch.device | str = "cpu", drain_seconds: float = 5.0,

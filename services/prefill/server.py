@@ -111,8 +111,7 @@ class PrefillWorker(Worker):
             model_ms = predict(action, inputs).total_ms
             return (action, model_ms * correction(offer.measured_over_model, action), model_ms,
                     decision.candidates)
-        model_ms = predict(decision.action, inputs).total_ms  # hysteresis may keep another
-        return decision.action, decision.predicted_ms, model_ms, decision.candidates
+        return decision.action, decision.predicted_ms, decision.model_ms, decision.candidates
 
     def handoff(self, request, action: Action, deadline_s: float | None) -> dict:
         ids = list(request.token_ids)
