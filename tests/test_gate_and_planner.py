@@ -11,7 +11,7 @@ from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs
 from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
-from rekv_core.plan.planner import Planner, RecentRatios
+from rekv_core.plan.planner import Measured, Planner, RecentHandoffs
 from rekv_core.plan.policy import Policy, shipped_policy
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
@@ -100,16 +100,37 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
                                                        {"joint": 10.0})
     assert slow_joint.action.kind.value != "joint"  # measured 10x slower than modelled
-    # an action's own measured ratio overrides its kind's
-    own = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
-                                                {"joint": 10.0, "int8:20": 0.5})
-    assert own.action == Action("int8", 20, 30)
-    ratios = RecentRatios(window=3)
+    # an action's own recent handoffs override its kind's ratio, once there are enough of them
+    own = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
+                                                {"int8:20": Measured(1.0, 2048, 3)})
+    assert own.action == Action("int8", 20, 30) and own.predicted_ms == 1.0
+    few = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
+                                                {"int8:20": Measured(1.0, 2048, 2)})
+    assert few.action != Action("int8", 20, 30)
+    # measured at another prompt length: scaled by the model from there to here
+    half = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
+                                                 {"int8:20": Measured(1.0, 1024, 5)})
+    scaled = next(ms for p, ms in half.candidates if p.action == Action("int8", 20, 30))
+    assert 1.3 < scaled < 3.0
+
+
+def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
+    clock = [0.0]
+    recent = RecentHandoffs(window=3, max_age_s=100, link_tolerance=2.0, clock=lambda: clock[0])
     for measured in (10, 20, 30, 40):
-        ratios.observe(Action("int8", 21, 30), 1024, 10.0, measured)
-    ratios.observe(Action("int8", 9, 30), 256, 10.0, 5.0)
-    assert ratios.medians(1024) == {"joint": 3.0, "int8:21": 3.0}
-    assert ratios.medians(256) == {"joint": 3.0, "int8:9": 0.5}
+        recent.observe(Action("int8", 21, 30), 1024, 10.0, measured, link_gbps=1.0)
+    recent.observe(Action("int8", 9, 30), 256, 10.0, 5.0, link_gbps=1.0)
+    assert recent.corrections() == {"joint": 3.0}
+    assert recent.measured(1100, 1.0) == {"int8:21": Measured(30.0, 1024, 3)}
+    assert recent.measured(256, 1.5) == {"int8:9": Measured(5.0, 256, 1)}
+    assert recent.measured(256, 2.5) == {}  # measured over a link unlike today's
+    clock[0] = 50.0
+    recent.observe(Action("int8", 21, 30), 1500, 10.0, 100.0, link_gbps=4.0)
+    assert recent.measured(1024, 1.0) == {"int8:21": Measured(35.0, 1024, 2)}
+    assert recent.measured(1024, 4.0) == {"int8:21": Measured(100.0, 1500, 1)}
+    clock[0] = 120.0  # the first ones aged out
+    assert recent.measured(1024, 1.0) == {}
+    assert recent.measured(1024, 4.0) == {"int8:21": Measured(100.0, 1500, 1)}
 
 
 def test_shipped_policy_is_valid_if_present():

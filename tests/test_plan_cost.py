@@ -50,7 +50,14 @@ def test_link_estimate_moves_with_observed_transfers():
     assert link.gbps == pytest.approx(1.0)
     for _ in range(10):
         link.observe(250_000_000, 1.0)
-    assert link.gbps == pytest.approx(2.0, rel=0.05)
+    assert link.gbps == pytest.approx(2.0)
+    link.observe(250_000_000, 0.1)  # one disturbed sample (20 Gb/s) does not move it
+    assert link.gbps == pytest.approx(2.0)
+    for _ in range(4):  # a real change does, within half the window
+        link.observe(125_000_000, 1.0)
+    assert link.gbps == pytest.approx(1.5)
+    link.observe(125_000_000, 1.0)
+    assert link.gbps == pytest.approx(1.0)
 
 
 def test_layer_cost_interpolates_and_grows_beyond_the_profile():

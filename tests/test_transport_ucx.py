@@ -4,6 +4,7 @@ over it that rebuilds the same cache as the in-process link."""
 import asyncio
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import torch
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.model import prefill
 from rekv_core.transport import Message, TransportError
+from rekv_core.transport.arrivals import link_sample
 from rekv_core.transport.ucx import UcxEngine, UcxReceiver, UcxSender, message_tag
 
 
@@ -74,6 +76,28 @@ def test_messages_are_received_ahead_of_the_consumer(ucx):
     receiver.close("ahead")
     assert receiver.pending() == {"open_requests": 0, "buffered_messages": 0,
                                   "draining_requests": 0}
+
+
+def test_received_messages_carry_their_arrival(ucx):
+    _, receiver, sender = ucx
+    receiver.open("timed")
+    time.sleep(0.05)  # the reader has been looking and sleeping meanwhile
+    sent = [_msg("timed", i, nbytes=1 << 20) for i in range(4)]
+    for m in sent:
+        sender.send(m)
+    got = [receiver.recv("timed", timeout=10) for _ in range(4)]
+    sender.flush("timed", timeout=10)
+    receiver.close("timed")
+    arrivals = [g.arrival for g in got]
+    assert arrivals[0].came_while_looking and arrivals[0].held == 0.0
+    assert 0 < arrivals[0].window < 0.01
+    assert all(a.held >= 0 for a in arrivals)
+    ends = [a.completed for a in arrivals]
+    assert ends == sorted(ends)
+    assert all(a.nbytes > m.payload_bytes for a, m in zip(arrivals, sent))  # payload and frame
+    sample = link_sample(arrivals)
+    assert sample is None or (0 < sample[0] <= sum(a.nbytes for a in arrivals[1:])
+                              and sample[1] > 0)
 
 
 def test_other_requests_never_land_and_closed_requests_are_drained(ucx):

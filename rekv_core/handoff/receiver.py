@@ -12,7 +12,12 @@ opened request and always ends it: `close` after success, `abort` after any fail
 Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
 `head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
 returned. The result carries the timing breakdown (seconds; H: until the boundary or first layer is
-in, X: prefix transfer and restore, R: suffix, J: join, total) and the bytes received by kind.
+in, X: prefix transfer and restore, R: suffix, J: join, total), the bytes received by kind, and
+`link_sample`: (bytes, seconds) of the link from the messages that landed before this worker began
+computing (`transport.arrivals`): before the suffix or the first dequantization, whichever came
+first (restoring a BF16 layer is a copy and does not count), or None where the transport does not
+time its messages or they said nothing reliable. A computing worker delays its receiving thread, so
+later arrivals time the machine, not the wire.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_nam
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers
 from rekv_core.transport import TransportError, TransportReceiver
+from rekv_core.transport.arrivals import link_sample
 
 SCHEDULES = ("overlap", "sequential")
 
@@ -41,13 +47,28 @@ class HandoffResult:
     logits: torch.Tensor  # [vocab], float32: the first generated token's distribution
     timings: dict[str, float] = field(default_factory=dict)  # H, X, R, J, total (seconds)
     bytes: WireBytes = field(default_factory=WireBytes)
+    link_sample: tuple[int, float] | None = None
 
 
-def _expect(transport: TransportReceiver, request_id: str, name: str, timeout: float):
-    message = transport.recv(request_id, timeout)
-    if message.name != name:
-        raise TransportError(f"request {request_id}: expected {name!r}, got {message.name!r}")
-    return message
+class _Inbound:
+    """Takes a request's messages in order, keeping their arrivals."""
+
+    def __init__(self, transport: TransportReceiver, request_id: str, timeout: float):
+        self.transport, self.request_id, self.timeout = transport, request_id, timeout
+        self.arrivals = []
+
+    def expect(self, name: str):
+        message = self.transport.recv(self.request_id, self.timeout)
+        if message.name != name:
+            raise TransportError(f"request {self.request_id}: expected {name!r}, "
+                                 f"got {message.name!r}")
+        if message.arrival is not None:
+            self.arrivals.append(message.arrival)
+        return message
+
+    def link_sample(self, before: float | None = None) -> tuple[int, float] | None:
+        """From the messages that had landed by `before` (all of them when None)."""
+        return link_sample([a for a in self.arrivals if before is None or a.completed <= before])
 
 
 def _bf16_tensor(message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
@@ -80,14 +101,15 @@ def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
 
 def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start):
     shape = model.shape
-    plan = Plan.from_bytes(_expect(transport, request_id, PLAN, timeout).header)
+    inbound = _Inbound(transport, request_id, timeout)
+    plan = Plan.from_bytes(inbound.expect(PLAN).header)
     plan.check_model(shape)
     action = plan.action
     S = plan.seq_len
     received = WireBytes()
 
     if action.cut == 0:
-        message = _expect(transport, request_id, TOKENS, timeout)
+        message = inbound.expect(TOKENS)
         ids = message.buffers["ids"].view(torch.int32).tolist()
         if len(ids) != S:
             raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
@@ -103,13 +125,13 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
                     model.dtype, model.device)
     h_c = None
     if action.sends_boundary:
-        h_c = _bf16_tensor(_expect(transport, request_id, BOUNDARY, timeout),
+        h_c = _bf16_tensor(inbound.expect(BOUNDARY),
                            (S, shape.hidden_size), model)
         received += WireBytes(boundary=S * shape.hidden_size * 2)
     boundary_at = time.perf_counter()
     codec = get_codec(action.codec)
     kv_shape = (shape.num_kv_heads, S, shape.head_dim)
-    prefix = {"bytes": WireBytes(), "error": None, "done": boundary_at}
+    prefix = {"bytes": WireBytes(), "error": None, "done": boundary_at, "decoding": None}
     cuda = model.device.type == "cuda"
     side_stream = torch.cuda.Stream(model.device) if cuda else None
     prefix_ready = torch.cuda.Event() if cuda else None
@@ -127,12 +149,14 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
 
     def _receive_prefix_layers() -> None:
         for index in action.prefix_layers:
-            message = _expect(transport, request_id, layer_name(index), timeout)
+            message = inbound.expect(layer_name(index))
             encoded = EncodedKV.from_wire(message.header,
                                           _on_device(message.buffers, model.device))
             if tuple(encoded.shape) != kv_shape:
                 raise TransportError(f"{message.name}: shape {encoded.shape}, "
                                      f"expected {kv_shape}")
+            if prefix["decoding"] is None and action.codec != "bf16":
+                prefix["decoding"] = time.perf_counter()
             k, v = codec.decode(encoded)
             cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
             prefix["bytes"] += split_layer_bytes(encoded.header()["buffers"])
@@ -164,14 +188,16 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
 
     join_start = max(prefix["done"], suffix_result[2] if suffix_result else 0.0)
     if suffix_result is None:
-        head = _bf16_tensor(_expect(transport, request_id, HEAD, timeout),
+        head = _bf16_tensor(inbound.expect(HEAD),
                             (shape.hidden_size,), model)
         received += WireBytes(head=shape.hidden_size * 2)
         logits = final_logits(model, head)
         r_seconds = 0.0
+        computing = prefix["decoding"]
     else:
         logits, began, ended = suffix_result
         r_seconds = ended - began
+        computing = min(began, prefix["decoding"] or began)
     cache.length = S
     if cuda:
         torch.cuda.current_stream(model.device).wait_event(prefix_ready)
@@ -179,4 +205,5 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
     done = time.perf_counter()
     timings = {"H": boundary_at - start, "X": prefix["done"] - boundary_at, "R": r_seconds,
                "J": done - join_start, "total": done - start}
-    return HandoffResult(action, cache, logits, timings, received + prefix["bytes"])
+    return HandoffResult(action, cache, logits, timings, received + prefix["bytes"],
+                         inbound.link_sample(before=computing))

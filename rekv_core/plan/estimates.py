@@ -1,8 +1,9 @@
 """Running estimates that move with what is observed: link rate, per-MiB costs, layer costs.
 
-`Ewma` is an exponentially weighted mean seeded with a prior. `LinkEstimate` folds in each
-transfer's (bytes, seconds); transfers under `min_bytes` say more about latency than rate and are
-skipped. `LayerCost` is the suffix cost of one layer as a function of prompt length, measured at a
+`Ewma` is an exponentially weighted mean seeded with a prior. `LinkEstimate` is the median rate
+of the last `window` (bytes, seconds) samples, so one disturbed sample does not move it and a real
+change of link does within half a window; samples under `min_bytes` say more about latency than
+rate and are skipped. `LayerCost` is the suffix cost of one layer as a function of prompt length, measured at a
 few lengths and interpolated (piecewise linear in S; beyond the last point it extrapolates along
 a quadratic through the origin, since attention grows with S²).
 """
@@ -10,6 +11,8 @@ a quadratic through the origin, since attention grows with S²).
 from __future__ import annotations
 
 import bisect
+import collections
+import statistics
 import threading
 from collections.abc import Sequence
 
@@ -32,23 +35,25 @@ class Ewma:
 
 
 class LinkEstimate:
-    def __init__(self, prior_gbps: float, min_bytes: int = 1 << 20, weight: float = 0.3):
+    def __init__(self, prior_gbps: float, min_bytes: int = 1 << 20, window: int = 8):
         if prior_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {prior_gbps}")
-        self._rate = Ewma(prior_gbps, weight)
+        self._prior = prior_gbps
+        self._rates: collections.deque[float] = collections.deque(maxlen=window)
+        self.samples = 0
         self.min_bytes = min_bytes
+        self._lock = threading.Lock()
 
     @property
     def gbps(self) -> float:
-        return self._rate.value
-
-    @property
-    def samples(self) -> int:
-        return self._rate.samples
+        with self._lock:
+            return statistics.median(self._rates) if self._rates else self._prior
 
     def observe(self, nbytes: int, seconds: float) -> float:
         if nbytes >= self.min_bytes and seconds > 0:
-            self._rate.update(nbytes * 8 / seconds / 1e9)
+            with self._lock:
+                self._rates.append(nbytes * 8 / seconds / 1e9)
+                self.samples += 1
         return self.gbps
 
 

@@ -2,25 +2,41 @@
 
 `Planner(policy)` ranks every (b, c) the cost model predicts (`cost.choose`) and keeps only those
 the quality gate's policy allows for this prompt length (outside the policy's range, only lossless
-actions: BF16 and token-only). Each prediction is then corrected by how wrong predictions have
-recently been on the decode worker (`corrections`: medians of measured/modelled time over recent
-handoffs, which the decode side reports in its offer): the action's own median at prompts of
-this length where it ran recently, else its kind's, following the seed: the final choice uses
-measured latency. Between near-equal actions it keeps the previous choice (hysteresis).
-`RecentRatios` keeps those medians on the decode side.
+actions: BF16 and token-only). Following the seed, the final choice uses measured latency: an
+action that ran recently on the decode worker, at prompts of about this length over a link like
+today's (`measured`, reported in the decode side's offer), is expected to take its own median
+time, scaled to this prompt length by the cost model; any other action, the model's prediction
+times its kind's recent median of measured over modelled time (`corrections`). Between near-equal
+actions it keeps the previous choice (hysteresis). `RecentHandoffs` keeps both on the decode side.
+An action whose measurements age out or whose link moved on is predicted again, so a change of
+link that makes it attractive gets it tried.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import statistics
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from rekv_core.handoff import Action
-from rekv_core.plan.cost import CostInputs, Prediction, choose
+from rekv_core.plan.cost import CostInputs, Prediction, choose, predict
 from rekv_core.plan.policy import Policy
+
+
+MIN_MEASURED = 3  # an action's own median counts from this many recent handoffs
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Recent handoffs of one action: median time, median prompt length, how many."""
+
+    median_ms: float
+    prompt_len: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -58,14 +74,13 @@ class Planner:
         return self.policy.eligible(action)
 
     def decide(self, inputs: CostInputs, codecs: Iterable[str],
-               corrections: Mapping[str, float] | None = None) -> Decision:
-        corrections = corrections or {}
+               corrections: Mapping[str, float] | None = None,
+               measured: Mapping[str, Measured] | None = None) -> Decision:
         ranked = []
         for prediction in choose(inputs, codecs):
             if not self.allowed(prediction.action, inputs.prompt_len):
                 continue
-            ranked.append((prediction,
-                           prediction.total_ms * correction(corrections, prediction.action)))
+            ranked.append((prediction, expected_ms(prediction, inputs, corrections, measured)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
         best, best_ms = ranked[0]
         key = inputs.prompt_len.bit_length()
@@ -79,43 +94,91 @@ class Planner:
 
 
 def action_key(action: Action) -> str:
-    """The key of one action's own ratio in an offer's corrections: `codec:cut`."""
+    """The key of one action's own measurements in an offer: `codec:cut`."""
     return f"{action.codec}:{action.cut}"
 
 
 def correction(corrections: Mapping[str, float], action: Action) -> float:
-    """The action's own measured/modelled ratio, else its kind's, else 1."""
-    for key in (action_key(action), action.kind.value):
-        factor = corrections.get(key, 0.0)
-        if factor > 0:
-            return factor
-    return 1.0
+    """The action kind's measured/modelled ratio, else 1."""
+    factor = corrections.get(action.kind.value, 0.0)
+    return factor if factor > 0 else 1.0
 
 
-class RecentRatios:
-    """Measured over modelled handoff time over the last `window` handoffs: by action kind, and
-    by action within each power of two of the prompt length."""
+def expected_ms(prediction: Prediction, inputs: CostInputs,
+                corrections: Mapping[str, float] | None = None,
+                measured: Mapping[str, Measured] | None = None) -> float:
+    """The action's own recent median, scaled from its median prompt length to this one by the
+    cost model (γ taken as linear in S over that step), else the model's time times its kind's
+    correction."""
+    seen = (measured or {}).get(action_key(prediction.action))
+    if seen is None or seen.count < MIN_MEASURED or seen.median_ms <= 0:
+        return prediction.total_ms * correction(corrections or {}, prediction.action)
+    if seen.prompt_len == inputs.prompt_len:
+        return seen.median_ms
+    then = dataclasses.replace(inputs, prompt_len=seen.prompt_len,
+                               suffix_ms_per_layer=inputs.suffix_ms_per_layer * seen.prompt_len
+                               / inputs.prompt_len)
+    then_ms = predict(prediction.action, then).total_ms
+    return seen.median_ms * prediction.total_ms / then_ms if then_ms > 0 else seen.median_ms
 
-    def __init__(self, window: int = 16):
+
+@dataclass(frozen=True)
+class _Handoff:
+    prompt_len: int
+    measured_ms: float
+    link_gbps: float
+    at: float  # clock seconds
+
+
+class RecentHandoffs:
+    """The decode side's memory of its recent handoffs, for its offers.
+
+    By action kind: measured over modelled time of the last `window` handoffs. By action, within
+    each power of two of the prompt length: the last `window` handoffs' times, offered as their
+    median while they are younger than `max_age_s` and were measured over a link within a factor
+    `link_tolerance` of the current estimate."""
+
+    def __init__(self, window: int = 16, max_age_s: float = 600.0, link_tolerance: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
         def recent() -> collections.deque:
             return collections.deque(maxlen=window)
 
-        self._by_kind: dict[str, collections.deque] = collections.defaultdict(recent)
-        # prompt-length bucket -> action key -> ratios
-        self._by_action: dict[int, dict[str, collections.deque]] = collections.defaultdict(
+        self.max_age_s = max_age_s
+        self.link_tolerance = link_tolerance
+        self._clock = clock
+        self._ratios: dict[str, collections.deque] = collections.defaultdict(recent)
+        # prompt-length bucket -> action key -> handoffs
+        self._handoffs: dict[int, dict[str, collections.deque]] = collections.defaultdict(
             lambda: collections.defaultdict(recent))
         self._lock = threading.Lock()
 
-    def observe(self, action: Action, prompt_len: int, modelled_ms: float,
-                measured_ms: float) -> None:
-        if modelled_ms > 0 and measured_ms > 0:
-            ratio = measured_ms / modelled_ms
-            with self._lock:
-                self._by_kind[action.kind.value].append(ratio)
-                self._by_action[prompt_len.bit_length()][action_key(action)].append(ratio)
-
-    def medians(self, prompt_len: int) -> dict[str, float]:
-        """The corrections to offer for a prompt of `prompt_len` tokens."""
+    def observe(self, action: Action, prompt_len: int, modelled_ms: float, measured_ms: float,
+                link_gbps: float) -> None:
+        if measured_ms <= 0:
+            return
         with self._lock:
-            series = {**self._by_kind, **self._by_action.get(prompt_len.bit_length(), {})}
-            return {key: statistics.median(r) for key, r in series.items() if r}
+            if modelled_ms > 0:
+                self._ratios[action.kind.value].append(measured_ms / modelled_ms)
+            self._handoffs[prompt_len.bit_length()][action_key(action)].append(
+                _Handoff(prompt_len, measured_ms, link_gbps, self._clock()))
+
+    def corrections(self) -> dict[str, float]:
+        """Median measured/modelled time by action kind."""
+        with self._lock:
+            return {kind: statistics.median(r) for kind, r in self._ratios.items() if r}
+
+    def measured(self, prompt_len: int, link_gbps: float) -> dict[str, Measured]:
+        """Each action's recent handoffs that still speak for a prompt of `prompt_len` tokens
+        over a link of `link_gbps`."""
+        oldest = self._clock() - self.max_age_s
+        out = {}
+        with self._lock:
+            for key, handoffs in self._handoffs.get(prompt_len.bit_length(), {}).items():
+                alike = [h for h in handoffs if h.at >= oldest and h.link_gbps > 0
+                         and max(h.link_gbps / link_gbps, link_gbps / h.link_gbps)
+                         <= self.link_tolerance]
+                if alike:
+                    out[key] = Measured(statistics.median(h.measured_ms for h in alike),
+                                        statistics.median_low(h.prompt_len for h in alike),
+                                        len(alike))
+        return out

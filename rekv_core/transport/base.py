@@ -2,7 +2,9 @@
 
 A `Message` is one unit on the wire: the request it belongs to, its sequence number within that
 request (0, 1, 2, … in send order), a name (`plan`, `boundary`, `layer.3`, …), a small header and
-named 1-D uint8 buffers. The transport moves bytes and knows nothing of models or codecs.
+named 1-D uint8 buffers. The transport moves bytes and knows nothing of models or codecs. A
+receiving transport that crosses a real wire stamps each message with its `arrival` (see
+`arrivals`), from which the receiver's user may estimate the link.
 
 Which side calls what:
 
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rekv_core.transport.arrivals import Arrival
+
 
 class TransportError(RuntimeError):
     """A message stream that cannot be trusted (gap, duplicate, closed link)."""
@@ -41,6 +45,7 @@ class Message:
     name: str
     header: bytes = b""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    arrival: Arrival | None = None  # set by receiving transports that time the wire
 
     @property
     def payload_bytes(self) -> int:

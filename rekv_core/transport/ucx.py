@@ -17,7 +17,9 @@ Request ids must be unique per transfer (the services add a nonce to each reques
 
 Each open request has a reader on the engine loop that receives its messages in order as soon as
 they arrive, up to `prefetch` messages ahead of the consumer, so the wire does not idle while the
-consumer decodes the previous layer (a rendezvous send completes only once its receive is posted). A
+consumer decodes the previous layer (a rendezvous send completes only once its receive is posted).
+Each message it hands over carries its `Arrival` (how long the reader took to look for it,
+whether it was already there, when its last byte landed; `arrivals`), from which the decode worker estimates the link. A
 request aborted before its last message (timeout, error, cancelled request) is drained: its reader
 discards what it has queued and, for `drain_seconds` after the last arrival, takes and discards the
 remaining messages in order, so the sender's pending sends complete and UCX holds no unexpected data
@@ -42,12 +44,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rekv_core.plan.estimates import LinkEstimate
+from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.base import Message, TransportError, TransportReceiver, TransportSender
 
 MAX_FRAME = 1 << 16  # bytes of part 0 of a message
 MAX_BUFFERS = 15
-LINK_SAMPLE_BYTES = 256 << 10  # a transfer's first message this large times the link
 # Host-memory tuning (`UcxEngine(host_eager=True)`): every message travels eagerly, so the sender
 # needs no rendezvous handshake with a receiver whose loop thread may be waiting for a core, and
 # large socket buffers let the kernel take the data in meanwhile. Process-wide, read when
@@ -163,19 +164,28 @@ async def _recv_tag(buffer, tag: int) -> None:
     await _context().recv(buffer, tag)
 
 
-async def _take_frame(tag: int, give_up: Callable[[], bool]) -> torch.Tensor | None:
+async def _take_frame(tag: int, give_up: Callable[[], bool]
+                      ) -> tuple[torch.Tensor | None, bool, float]:
     """Wait for the message under `tag` and receive it whole, or return None once `give_up()`.
-    Probing (rather than posting a receive) leaves nothing posted in UCX when we give up."""
+    Also returns whether the first look found it, and the span within which it arrived: that
+    look's own duration, or from the start of the last look that found nothing to the end of the
+    one that found it. (A look can take long: in threaded progress mode a probe waits for the
+    progress thread, and this thread may be waiting for a core.) Probing, rather than posting a
+    receive, leaves nothing posted in UCX when we give up."""
     context = _context()
     delay = 0.00005
+    last_empty = None
     while True:
+        began = time.perf_counter()
         probe = context.tag_probe(tag, remove=True)
         if probe.matched:
+            window = time.perf_counter() - (began if last_empty is None else last_empty)
             frame = torch.empty(probe.length, dtype=torch.uint8)
             await context.recv_with_handle(frame.numpy(), probe)
-            return frame
+            return frame, last_empty is None, window
         if give_up():
-            return None
+            return None, last_empty is None, 0.0
+        last_empty = began
         await asyncio.sleep(delay)
         delay = min(2 * delay, PROBE_INTERVAL_MAX)
 
@@ -210,9 +220,6 @@ class UcxReceiver(TransportReceiver):
         self._inboxes: dict[str, _Inbox] = {}
         self._draining: set[str] = set()
         self._waiting: dict[str, concurrent.futures.Future] = {}
-        # what the wire delivers: the payload bytes of each transfer's first large message over
-        # the time from its frame's arrival to its last byte
-        self.link = LinkEstimate(prior_gbps=10.0, min_bytes=LINK_SAMPLE_BYTES)
         self.strays = 0
         self._listener = engine.call(self._listen(port))
         self.address = f"{host}:{self._listener.port}"
@@ -238,27 +245,22 @@ class UcxReceiver(TransportReceiver):
                                            and time.monotonic() > inbox.drain_until)
 
     async def _read_ahead(self, request_id: str, inbox: _Inbox) -> None:
-        seq = 0
-        timed = False
+        seq, previous_end = 0, None
         try:
             while True:
-                frame = await _take_frame(message_tag(request_id, seq, 0),
-                                          lambda: self._give_up(inbox))
+                looked = time.perf_counter()
+                held = 0.0 if previous_end is None else looked - previous_end
+                frame, first_look, window = await _take_frame(message_tag(request_id, seq, 0),
+                                                              lambda: self._give_up(inbox))
                 if frame is None:
                     return
-                arrived = time.perf_counter()
                 draining = inbox.state != "open"
                 message = await self._recv_message(
                     request_id, seq, frame, device=torch.device("cpu") if draining else None)
+                previous_end = time.perf_counter()
+                message.arrival = Arrival(held, first_look, window, previous_end,
+                                          len(frame) + message.payload_bytes)
                 seq += 1
-                if not timed and message.payload_bytes >= LINK_SAMPLE_BYTES:
-                    # The first large message arrives before the decode worker starts computing
-                    # anything, so this loop was not waiting for a core meanwhile. Its frame may
-                    # have waited up to one probe interval unseen while the payload streamed in:
-                    # counting that interval keeps fast links from looking faster than they are.
-                    self.link.observe(message.payload_bytes,
-                                      time.perf_counter() - arrived + PROBE_INTERVAL_MAX)
-                    timed = True
                 if inbox.state != "open":
                     self._discard(inbox, 1)
                     continue

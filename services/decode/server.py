@@ -25,9 +25,9 @@ from rekv_core.model import KVCache, decode_step, prefill
 from rekv_core.model.sampling import Sampler, SamplingParams
 from rekv_core.model.tokenizer import GGUFTokenizer
 from rekv_core.model.weights import embedded_gguf_path
-from rekv_core.plan.estimates import Ewma
+from rekv_core.plan.estimates import Ewma, LinkEstimate
 from rekv_core.plan.measure import measure_codec_costs, measure_layer_cost
-from rekv_core.plan.planner import RecentRatios
+from rekv_core.plan.planner import RecentHandoffs
 from rekv_core.plan.profile import Profile
 from rekv_core.transport.ucx import UcxReceiver
 from services.metrics import ServiceMetrics
@@ -38,6 +38,7 @@ from services.wire_convert import action_from_proto, action_to_proto, wire_bytes
 
 log = logging.getLogger("rekv.decode")
 MAX_REQUEST_ID = 128
+LINK_SAMPLE_BYTES = 256 << 10  # a handoff's back-to-back runs must carry this much to time the link
 
 
 class DecodeWorker(Worker):
@@ -57,9 +58,11 @@ class DecodeWorker(Worker):
             self.restore_ms_per_mib = {
                 codec: measure_codec_costs(codec, self.shape, 512, self.model.device)[1]
                 for codec in settings.codecs}
-        self.recent = RecentRatios()
+        self.recent = RecentHandoffs()
         self.message_ms = Ewma(0.0)
-        metrics.link.set_function(lambda: self.receiver.link.gbps)
+        # the link as the handoffs' back-to-back messages crossed it (`HandoffResult.link_sample`)
+        self.link = LinkEstimate(prior_gbps=10.0, min_bytes=LINK_SAMPLE_BYTES)
+        metrics.link.set_function(lambda: self.link.gbps)
         self.join_ms = Ewma(0.0)
         metrics.transport_pending.set_function(
             lambda: sum(v for k, v in self.receiver.pending().items()))
@@ -117,9 +120,13 @@ class DecodeWorker(Worker):
             suffix_ms_per_layer=gamma, restore_ms_per_mib=self.restore_ms_per_mib,
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
             model=self.shape.name, num_layers=self.shape.num_layers,
-            measured_over_model=self.recent.medians(prompt_len),
-            link_gbps=self.receiver.link.gbps if self.receiver.link.samples else 0.0,
-            message_ms=self.message_ms.value)
+            measured_over_model=self.recent.corrections(),
+            link_gbps=self.link.gbps if self.link.samples else 0.0,
+            message_ms=self.message_ms.value,
+            measured={key: rekv_pb2.MeasuredHandoffs(median_ms=m.median_ms,
+                                                     median_prompt_len=m.prompt_len,
+                                                     count=m.count)
+                      for key, m in self.recent.measured(prompt_len, self.link.gbps).items()})
 
     def observe_suffix(self, prompt_len: int, layers: int, seconds: float, in_flight: int) -> None:
         expected = self.layer_cost.at(prompt_len) * layers * max(1, in_flight)
@@ -134,12 +141,12 @@ class DecodeWorker(Worker):
         that was still arriving well after the suffix was done (X > 1.2 R). While the suffix runs,
         the UCX loop yields the core (`ucx_loop_nice`), so a prefix that ends with the suffix says
         how long the suffix took, not what a message costs."""
-        if action.cut == 0 or self.receiver.link.samples == 0:
+        if action.cut == 0 or self.link.samples == 0:
             return
         if r_seconds > 0 and x_seconds <= 1.2 * r_seconds:
             return
         layers = action.cut
-        wire_ms = (wire.prefix + wire.scales) * 8 / (self.receiver.link.gbps * 1e9) * 1e3
+        wire_ms = (wire.prefix + wire.scales) * 8 / (self.link.gbps * 1e9) * 1e3
         restore_ms = (self.restore_ms_per_mib.get(action.codec, 0.0) * layers
                       * self.shape.kv_layer_bytes(prompt_len) / 2**20)
         self.message_ms.update(max(0.0, (x_seconds * 1e3 - wire_ms - restore_ms) / layers))
@@ -203,6 +210,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         worker, metrics = self.worker, self.metrics
         handoff = await self._handoff(request, ids, context)
         cache, logits = handoff.pop("cache"), handoff.pop("logits")
+        link_sample_gbps = handoff.pop("link_sample_gbps", 0.0)
         sampler = Sampler(params)
         stop_at_eos = request.stop_at_eos if request.HasField("stop_at_eos") else True
         eos = worker.tokenizer.eos_token_id if worker.tokenizer else None
@@ -231,10 +239,11 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             request_id=request.request_id, prompt_tokens=len(ids), generated_tokens=len(tokens),
             finish_reason=finish, ttft_ms=ttft * 1e3, request_ms=total * 1e3, **handoff)
         log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f predicted_ms=%.1f "
-                 "ttft_ms=%.1f new_tokens=%d fallback=%s request_ms=%.1f", request.request_id,
-                 len(ids), summary.action.codec, summary.action.cut, summary.measured_handoff_ms,
-                 summary.predicted_handoff_ms, ttft * 1e3, len(tokens), summary.fallback,
-                 total * 1e3)
+                 "ttft_ms=%.1f new_tokens=%d fallback=%s request_ms=%.1f link_sample_gbps=%.3f "
+                 "link_gbps=%.3f", request.request_id, len(ids), summary.action.codec,
+                 summary.action.cut, summary.measured_handoff_ms, summary.predicted_handoff_ms,
+                 ttft * 1e3, len(tokens), summary.fallback, total * 1e3, link_sample_gbps,
+                 worker.link.gbps)
         yield rekv_pb2.GenerateResponse(summary=summary)
 
     async def _handoff(self, request, ids, context) -> dict:
@@ -283,6 +292,11 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         handoff_s = max(0.0, t["total"] - prefill_s)
         worker.join_ms.update(t["J"] * 1e3)
         action = result.action
+        link_sample_gbps = 0.0
+        if result.link_sample is not None:
+            nbytes, seconds = result.link_sample
+            link_sample_gbps = nbytes * 8 / seconds / 1e9
+            worker.link.observe(nbytes, seconds)
         worker.observe_suffix(len(ids), worker.shape.num_layers - action.cut, t["R"], load)
         worker.observe_prefix(action, len(ids), result.bytes, t["X"], t["R"])
         metrics.handoff.observe(handoff_s)
@@ -294,9 +308,10 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         metrics.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
         if response.predicted_ms > 0:
             metrics.prediction_error.observe(handoff_s * 1e3 / response.predicted_ms)
-        worker.recent.observe(action, len(ids), response.model_ms, handoff_s * 1e3)
+        worker.recent.observe(action, len(ids), response.model_ms, handoff_s * 1e3,
+                              worker.link.gbps)
         return {
-            "cache": result.cache, "logits": result.logits,
+            "cache": result.cache, "logits": result.logits, "link_sample_gbps": link_sample_gbps,
             "action": action_to_proto(action), "action_kind": action.kind.value,
             "bytes": wire_bytes_to_proto(result.bytes),
             "predicted_handoff_ms": response.predicted_ms,

@@ -24,7 +24,7 @@ from rekv_core.model import prefill
 from rekv_core.plan import CostInputs, predict
 from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.plan.measure import measure_codec_costs
-from rekv_core.plan.planner import Planner, correction
+from rekv_core.plan.planner import Measured, Planner, expected_ms
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.profile import Profile
 from rekv_core.transport.ucx import UcxSender
@@ -105,12 +105,14 @@ class PrefillWorker(Worker):
                             max(offer.restore_ms_per_mib.values(), default=0.0), offer.join_ms,
                             message_ms=offer.message_ms)
         eligible = [c for c in self.settings.codecs if c in offer.codecs] or ["bf16"]
-        decision = self.planner.decide(inputs, eligible, offer.measured_over_model)
+        measured = {key: Measured(m.median_ms, m.median_prompt_len, m.count)
+                    for key, m in offer.measured.items()}
+        decision = self.planner.decide(inputs, eligible, offer.measured_over_model, measured)
         if request.HasField("forced_action"):
             action = action_from_proto(request.forced_action, self.shape.num_layers)
-            model_ms = predict(action, inputs).total_ms
-            return (action, model_ms * correction(offer.measured_over_model, action), model_ms,
-                    decision.candidates)
+            prediction = predict(action, inputs)
+            return (action, expected_ms(prediction, inputs, offer.measured_over_model, measured),
+                    prediction.total_ms, decision.candidates)
         return decision.action, decision.predicted_ms, decision.model_ms, decision.candidates
 
     def handoff(self, request, action: Action, deadline_s: float | None) -> dict:

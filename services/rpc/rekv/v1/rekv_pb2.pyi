@@ -137,7 +137,7 @@ class HandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,13 @@ class DecodeOffer(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class MeasuredEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: MeasuredHandoffs
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MeasuredHandoffs, _Mapping]] = ...) -> None: ...
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_MS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +171,7 @@ class DecodeOffer(_message.Message):
     MEASURED_OVER_MODEL_FIELD_NUMBER: _ClassVar[int]
     LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_MS_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -176,7 +184,18 @@ class DecodeOffer(_message.Message):
     measured_over_model: _containers.ScalarMap[str, float]
     link_gbps: float
     message_ms: float
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ...) -> None: ...
+    measured: _containers.MessageMap[str, MeasuredHandoffs]
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Mapping[str, MeasuredHandoffs]] = ...) -> None: ...
+
+class MeasuredHandoffs(_message.Message):
+    __slots__ = ("median_ms", "median_prompt_len", "count")
+    MEDIAN_MS_FIELD_NUMBER: _ClassVar[int]
+    MEDIAN_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    median_ms: float
+    median_prompt_len: int
+    count: int
+    def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms")
