@@ -120,7 +120,8 @@ def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
     for measured in (10, 20, 30, 40):
         recent.observe(Action("int8", 21, 30), 1024, 10.0, measured, link_gbps=1.0)
     recent.observe(Action("int8", 9, 30), 256, 10.0, 5.0, link_gbps=1.0)
-    assert recent.corrections() == {"joint": 3.0}
+    assert recent.corrections(1.0) == {"joint": 3.0}
+    assert recent.corrections(3.0) == {}
     assert recent.measured(1100, 1.0) == {"int8:21": Measured(30.0, 1024, 3)}
     assert recent.measured(256, 1.5) == {"int8:9": Measured(5.0, 256, 1)}
     assert recent.measured(256, 2.5) == {}  # measured over a link unlike today's
@@ -200,3 +201,44 @@ def test_planner_keeps_its_previous_choice_among_near_equals():
     assert planner.decide(inputs(36.0, 0.34), ["bf16", "int8"]).action == first
     # far from the old regime, it moves
     assert planner.decide(inputs(300.0), ["bf16", "int8"]).action != first
+
+
+def test_a_change_of_link_moves_the_choice_within_a_few_requests():
+    """The decode side's memory, link estimate and the planner in a loop, against a world whose
+    handoffs take 20% longer than modelled: the choice follows the link both ways."""
+    from rekv_core.plan.cost import choose, predict
+    from rekv_core.plan.estimates import LinkEstimate
+
+    shape = get_preset("smollm2-135m")
+    S, codecs = 2048, ["bf16", "int8"]
+
+    def world(gbps):
+        return CostInputs(shape, S, gbps, 30.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+
+    planner = Planner(_policy({"int8": 30}))
+    recent, link = RecentHandoffs(), LinkEstimate(1.0, min_bytes=1)
+    clock = [0.0]
+    recent._clock = lambda: clock[0]
+
+    def serve(true_gbps):
+        inputs = world(link.gbps)
+        decision = planner.decide(inputs, codecs, recent.corrections(link.gbps),
+                                  recent.measured(S, link.gbps))
+        measured = predict(decision.action, world(true_gbps)).total_ms * 1.2
+        recent.observe(decision.action, S, decision.model_ms, measured, link.gbps)
+        link.observe(10**7, 10**7 * 8 / (true_gbps * 1e9))
+        clock[0] += 1.0
+        return decision.action, measured
+
+    def best(true_gbps):
+        return choose(world(true_gbps), codecs)[0].total_ms * 1.2
+
+    for slow, fast in ((0.2, 40.0), (40.0, 0.2)):
+        for _ in range(20):
+            serve(slow)
+        settled, ms = serve(slow)
+        assert ms <= 1.1 * best(slow)
+        taken = [serve(fast) for _ in range(8)]
+        assert taken[0][0] == settled  # the estimate has not moved yet
+        assert all(ms <= 1.1 * best(fast) for _, ms in taken[5:])
+        assert {a.kind.value for a, _ in taken[5:]} != {settled.kind.value}

@@ -126,6 +126,7 @@ def expected_ms(prediction: Prediction, inputs: CostInputs,
 class _Handoff:
     prompt_len: int
     measured_ms: float
+    over_model: float  # measured / modelled (0: no model)
     link_gbps: float
     at: float  # clock seconds
 
@@ -133,10 +134,10 @@ class _Handoff:
 class RecentHandoffs:
     """The decode side's memory of its recent handoffs, for its offers.
 
-    By action kind: measured over modelled time of the last `window` handoffs. By action, within
-    each power of two of the prompt length: the last `window` handoffs' times, offered as their
-    median while they are younger than `max_age_s` and were measured over a link within a factor
-    `link_tolerance` of the current estimate."""
+    Only handoffs younger than `max_age_s`, over a link within a factor `link_tolerance` of the
+    current estimate, speak for a new request. By action kind: the median of measured over
+    modelled time of the last `window` such handoffs. By action, within each power of two of the
+    prompt length: the median time of its last `window` such handoffs."""
 
     def __init__(self, window: int = 16, max_age_s: float = 600.0, link_tolerance: float = 2.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -146,39 +147,42 @@ class RecentHandoffs:
         self.max_age_s = max_age_s
         self.link_tolerance = link_tolerance
         self._clock = clock
-        self._ratios: dict[str, collections.deque] = collections.defaultdict(recent)
+        self._by_kind: dict[str, collections.deque] = collections.defaultdict(recent)
         # prompt-length bucket -> action key -> handoffs
-        self._handoffs: dict[int, dict[str, collections.deque]] = collections.defaultdict(
+        self._by_action: dict[int, dict[str, collections.deque]] = collections.defaultdict(
             lambda: collections.defaultdict(recent))
         self._lock = threading.Lock()
 
     def observe(self, action: Action, prompt_len: int, modelled_ms: float, measured_ms: float,
                 link_gbps: float) -> None:
-        if measured_ms <= 0:
+        if measured_ms <= 0 or link_gbps <= 0:
             return
+        handoff = _Handoff(prompt_len, measured_ms,
+                           measured_ms / modelled_ms if modelled_ms > 0 else 0.0, link_gbps,
+                           self._clock())
         with self._lock:
-            if modelled_ms > 0:
-                self._ratios[action.kind.value].append(measured_ms / modelled_ms)
-            self._handoffs[prompt_len.bit_length()][action_key(action)].append(
-                _Handoff(prompt_len, measured_ms, link_gbps, self._clock()))
+            if handoff.over_model > 0:
+                self._by_kind[action.kind.value].append(handoff)
+            self._by_action[prompt_len.bit_length()][action_key(action)].append(handoff)
 
-    def corrections(self) -> dict[str, float]:
+    def _alike(self, handoffs: Iterable[_Handoff], link_gbps: float) -> list[_Handoff]:
+        oldest = self._clock() - self.max_age_s
+        return [h for h in handoffs if h.at >= oldest and max(
+            h.link_gbps / link_gbps, link_gbps / h.link_gbps) <= self.link_tolerance]
+
+    def corrections(self, link_gbps: float) -> dict[str, float]:
         """Median measured/modelled time by action kind."""
         with self._lock:
-            return {kind: statistics.median(r) for kind, r in self._ratios.items() if r}
+            series = {kind: self._alike(h, link_gbps) for kind, h in self._by_kind.items()}
+        return {kind: statistics.median(h.over_model for h in alike)
+                for kind, alike in series.items() if alike}
 
     def measured(self, prompt_len: int, link_gbps: float) -> dict[str, Measured]:
-        """Each action's recent handoffs that still speak for a prompt of `prompt_len` tokens
-        over a link of `link_gbps`."""
-        oldest = self._clock() - self.max_age_s
-        out = {}
+        """Each action's recent handoffs that speak for a prompt of `prompt_len` tokens over a
+        link of `link_gbps`."""
         with self._lock:
-            for key, handoffs in self._handoffs.get(prompt_len.bit_length(), {}).items():
-                alike = [h for h in handoffs if h.at >= oldest and h.link_gbps > 0
-                         and max(h.link_gbps / link_gbps, link_gbps / h.link_gbps)
-                         <= self.link_tolerance]
-                if alike:
-                    out[key] = Measured(statistics.median(h.measured_ms for h in alike),
-                                        statistics.median_low(h.prompt_len for h in alike),
-                                        len(alike))
-        return out
+            series = {key: self._alike(h, link_gbps) for key, h in
+                      self._by_action.get(prompt_len.bit_length(), {}).items()}
+        return {key: Measured(statistics.median(h.measured_ms for h in alike),
+                              statistics.median_low(h.prompt_len for h in alike), len(alike))
+                for key, alike in series.items() if alike}

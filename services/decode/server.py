@@ -120,7 +120,7 @@ class DecodeWorker(Worker):
             suffix_ms_per_layer=gamma, restore_ms_per_mib=self.restore_ms_per_mib,
             join_ms=self.join_ms.value, queue_depth=queue, handoffs_in_flight=in_flight,
             model=self.shape.name, num_layers=self.shape.num_layers,
-            measured_over_model=self.recent.corrections(),
+            measured_over_model=self.recent.corrections(self.link.gbps),
             link_gbps=self.link.gbps if self.link.samples else 0.0,
             message_ms=self.message_ms.value,
             measured={key: rekv_pb2.MeasuredHandoffs(median_ms=m.median_ms,
