@@ -112,6 +112,18 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
                                                  {"int8:20": Measured(1.0, 1024, 5)})
     scaled = next(ms for p, ms in half.candidates if p.action == Action("int8", 20, 30))
     assert 1.3 < scaled < 3.0
+    # an unmeasured cut takes the ratio of the nearest measured cut with its codec
+    int8_30 = next(p for p, _ in free.candidates if p.action == Action("int8", 30, 30))
+    slow = {"int8:30": Measured(3 * int8_30.total_ms, 2048, 3),
+            "int8:10": Measured(1.0, 2048, 3)}
+    near = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], None, slow)
+    by_action = {p.action: (p.total_ms, ms) for p, ms in near.candidates}
+    model_ms, expected = by_action[Action("int8", 27, 30)]
+    assert expected == pytest.approx(3 * model_ms)
+    model_ms, expected = by_action[Action("int8", 12, 30)]  # nearer to 10
+    assert expected < model_ms
+    model_ms, expected = by_action[Action("bf16", 12, 30)]  # no bf16 cut measured: its kind's
+    assert expected == model_ms
 
 
 def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():

@@ -3,6 +3,7 @@ is BF16 or recomputed, within the quantizer's bound otherwise), counts the bytes
 and fails loudly on a broken stream without leaving threads or buffers behind."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -116,3 +117,50 @@ def test_bad_schedule_is_named(smollm_bf16):
         with pytest.raises(ValueError, match="schedule"):
             receive_handoff(smollm_bf16, link.receiver, "x", schedule="parallel")
         assert link.receiver.pending()["open_requests"] == 0
+
+
+class _Stamped:
+    """An in-process receiver whose messages arrive as over a wire: the plan while the reader
+    looked, every later one already waiting for it (a back-to-back run)."""
+
+    def __init__(self, receiver):
+        self.inner, self.landed = receiver, []
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def recv(self, request_id, timeout):
+        from rekv_core.transport.arrivals import Arrival
+
+        message = self.inner.recv(request_id, timeout)
+        first = message.seq == 0
+        message.arrival = Arrival(0.0, not first, 0.0 if not first else 1e-7,
+                                  time.perf_counter(), message.nbytes)
+        self.landed.append((message.name, message.nbytes))
+        return message
+
+
+@pytest.mark.parametrize("kind", ["bf16_transfer", "quant_transfer", "joint", "token_recompute"])
+def test_the_link_sample_counts_what_landed_before_the_worker_computed(smollm_bf16, tokenizer,
+                                                                       kind):
+    model = smollm_bf16
+    ids = tokenizer.encode(PROMPT)
+    L = model.shape.num_layers
+    action = {"bf16_transfer": Action.full_bf16(L), "quant_transfer": Action("int8", L, L),
+              "joint": Action("int8", 11, L), "token_recompute": Action.token_only(L)}[kind]
+    state = prefill(model, ids)
+    with InProcessLink() as link:
+        link.receiver.open("timed")
+        send_handoff(link.sender, "timed", action, model.shape, ids, state)
+        stamped = _Stamped(link.receiver)
+        result = receive_handoff(model, stamped, "timed")
+    sizes = dict(stamped.landed)
+    after_plan = sum(n for name, n in stamped.landed if name != "plan")
+    if kind == "bf16_transfer":  # copying BF16 layers is not computing: all of it counts
+        assert result.link_sample[0] == after_plan
+    elif kind == "quant_transfer":  # dequantizing layer 0 begins the computing
+        assert result.link_sample[0] == sizes["layer.0"]
+    elif kind == "joint":  # the suffix begins once h_c is in
+        assert sizes["boundary"] <= result.link_sample[0] < after_plan
+    else:
+        assert result.link_sample is None

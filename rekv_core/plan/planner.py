@@ -6,7 +6,8 @@ actions: BF16 and token-only). Following the seed, the final choice uses measure
 action that ran recently on the decode worker, at prompts of about this length over a link like
 today's (`measured`, reported in the decode side's offer), is expected to take its own median
 time, scaled to this prompt length by the cost model; any other action, the model's prediction
-times its kind's recent median of measured over modelled time (`corrections`). Between near-equal
+times the measured/modelled ratio of the nearest measured cut with the same codec, else its
+kind's recent median of that ratio (`corrections`). Between near-equal
 actions it keeps the previous choice (hysteresis). `RecentHandoffs` keeps both on the decode side.
 An action whose measurements age out or whose link moved on is predicted again, so a change of
 link that makes it attractive gets it tried.
@@ -107,19 +108,50 @@ def correction(corrections: Mapping[str, float], action: Action) -> float:
 def expected_ms(prediction: Prediction, inputs: CostInputs,
                 corrections: Mapping[str, float] | None = None,
                 measured: Mapping[str, Measured] | None = None) -> float:
-    """The action's own recent median, scaled from its median prompt length to this one by the
-    cost model (γ taken as linear in S over that step), else the model's time times its kind's
-    correction."""
-    seen = (measured or {}).get(action_key(prediction.action))
-    if seen is None or seen.count < MIN_MEASURED or seen.median_ms <= 0:
-        return prediction.total_ms * correction(corrections or {}, prediction.action)
-    if seen.prompt_len == inputs.prompt_len:
-        return seen.median_ms
-    then = dataclasses.replace(inputs, prompt_len=seen.prompt_len,
-                               suffix_ms_per_layer=inputs.suffix_ms_per_layer * seen.prompt_len
-                               / inputs.prompt_len)
-    then_ms = predict(prediction.action, then).total_ms
-    return seen.median_ms * prediction.total_ms / then_ms if then_ms > 0 else seen.median_ms
+    """What the action is expected to take, from the first of: its own recent median (scaled from
+    its median prompt length to this one by the model); the model's time corrected by the
+    measured/modelled ratio of the nearest cut measured with the same codec (neighbouring actions
+    share the model's errors, such as an encoder slower than profiled); by its kind's ratio;
+    the model's time alone."""
+    action = prediction.action
+    usable = {key: m for key, m in (measured or {}).items()
+              if m.count >= MIN_MEASURED and m.median_ms > 0}
+    own = usable.get(action_key(action))
+    if own is not None:
+        then_ms = _modelled_at(action, inputs, own.prompt_len)
+        return own.median_ms * prediction.total_ms / then_ms if then_ms > 0 else own.median_ms
+    nearest = _nearest_measured(action, usable)
+    if nearest is not None:
+        neighbour, seen = nearest
+        then_ms = _modelled_at(neighbour, inputs, seen.prompt_len)
+        if then_ms > 0:
+            return prediction.total_ms * seen.median_ms / then_ms
+    return prediction.total_ms * correction(corrections or {}, action)
+
+
+def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int) -> float:
+    """The model's time for `action` at `prompt_len`, other inputs as now (γ linear in S)."""
+    if prompt_len != inputs.prompt_len:
+        inputs = dataclasses.replace(
+            inputs, prompt_len=prompt_len,
+            suffix_ms_per_layer=inputs.suffix_ms_per_layer * prompt_len / inputs.prompt_len)
+    return predict(action, inputs).total_ms
+
+
+def _nearest_measured(action: Action, usable: Mapping[str, Measured]
+                      ) -> tuple[Action, Measured] | None:
+    """The measured action with the same codec whose cut is nearest (token-only has none)."""
+    if action.cut == 0:
+        return None
+    best = None
+    for key, seen in usable.items():
+        codec, _, cut = key.partition(":")
+        if codec != action.codec or not cut.isdigit() or int(cut) == 0:
+            continue
+        rank = (abs(int(cut) - action.cut), -seen.count)
+        if best is None or rank < best[0]:
+            best = (rank, Action(codec, int(cut), action.num_layers), seen)
+    return None if best is None else (best[1], best[2])
 
 
 @dataclass(frozen=True)
