@@ -164,3 +164,23 @@ def test_the_link_sample_counts_what_landed_before_the_worker_computed(smollm_bf
         assert sizes["boundary"] <= result.link_sample[0] < after_plan
     else:
         assert result.link_sample is None
+
+
+def test_a_cache_allocated_ahead_must_fit_the_plan(smollm_bf16, tokenizer):
+    model = smollm_bf16
+    ids = tokenizer.encode(PROMPT)
+    state = prefill(model, ids)
+    for action in (Action("int8", 11, model.shape.num_layers), Action.token_only(30)):
+        with InProcessLink() as link:
+            link.receiver.open("ahead")
+            send_handoff(link.sender, "ahead", action, model.shape, ids, state)
+            result = receive_handoff(model, link.receiver, "ahead", extra_capacity=4,
+                                     prompt_len=len(ids))
+        assert result.cache.capacity == len(ids) + 4 and result.cache.length == len(ids)
+        assert torch.equal(result.cache.layer(29)[0], state.keys[29])
+    with InProcessLink() as link:
+        link.receiver.open("short")
+        send_handoff(link.sender, "short", action, model.shape, ids, state)
+        with pytest.raises(TransportError, match="plan"):
+            receive_handoff(model, link.receiver, "short", prompt_len=len(ids) - 1)
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}

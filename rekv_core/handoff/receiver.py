@@ -86,12 +86,17 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
                     schedule: str = "overlap", timeout: float = 30.0,
-                    extra_capacity: int = 0) -> HandoffResult:
+                    extra_capacity: int = 0, prompt_len: int | None = None) -> HandoffResult:
+    """`prompt_len`, when the caller knows it, lets the cache be allocated before the plan
+    arrives (while the sender prefills), not while the first messages land; the plan must then
+    agree with it."""
     start = time.perf_counter()
     try:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
-        result = _receive(model, transport, request_id, schedule, timeout, extra_capacity, start)
+        cache = None if prompt_len is None else _empty_cache(model, prompt_len + extra_capacity)
+        result = _receive(model, transport, request_id, schedule, timeout, extra_capacity, start,
+                          cache)
     except BaseException:
         transport.abort(request_id)
         raise
@@ -99,7 +104,13 @@ def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
     return result
 
 
-def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start):
+def _empty_cache(model: Model, capacity: int) -> KVCache:
+    shape = model.shape
+    return KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, capacity, model.dtype,
+                   model.device)
+
+
+def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start, cache):
     shape = model.shape
     inbound = _Inbound(transport, request_id, timeout)
     plan = Plan.from_bytes(inbound.expect(PLAN).header)
@@ -107,6 +118,11 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
     action = plan.action
     S = plan.seq_len
     received = WireBytes()
+    if cache is None:
+        cache = _empty_cache(model, S + extra_capacity)
+    elif cache.capacity != S + extra_capacity:
+        raise TransportError(f"plan: a prompt of {S} tokens, expected "
+                             f"{cache.capacity - extra_capacity}")
 
     if action.cut == 0:
         message = inbound.expect(TOKENS)
@@ -115,14 +131,14 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
             raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
         h_time = time.perf_counter()
         out = prefill(model, ids, boundaries=())
-        cache = KVCache.from_layers(out.keys, out.values, S + extra_capacity)
+        for layer, (k, v) in enumerate(zip(out.keys, out.values)):
+            cache.write(layer, 0, k, v)
+        cache.length = S
         done = time.perf_counter()
         return HandoffResult(action, cache, out.logits,
                              {"H": h_time - start, "X": 0.0, "R": done - h_time, "J": 0.0,
                               "total": done - start}, WireBytes(tokens=S * 4))
 
-    cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, S + extra_capacity,
-                    model.dtype, model.device)
     h_c = None
     if action.sends_boundary:
         h_c = _bf16_tensor(inbound.expect(BOUNDARY),

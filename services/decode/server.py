@@ -1,7 +1,8 @@
 """The decode service: `Decode.Generate`, the router's entry point.
 
 Per call: validate (INVALID_ARGUMENT naming the field) and tokenize; wait for a slot (at most
-`max_concurrent` at once); open a fresh transfer on the UCX receiver and start receiving; call the
+`max_concurrent` at once); open a fresh transfer on the UCX receiver and start receiving (the
+cache is allocated then, while the prefill side computes, not while the first layers land); call the
 prefill service's `Handoff` with this worker's offer (its suffix cost per layer at this prompt length
 under its current load, its restore costs, its UCX address, the codecs it accepts); once the cache
 is complete, decode `max_new_tokens` from it (greedy or seeded sampling) and stream the tokens, with
@@ -258,7 +259,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         call_start = time.perf_counter()
         receiving = asyncio.ensure_future(asyncio.to_thread(
             receive_handoff, worker.model, worker.receiver, transfer_id, "overlap",
-            worker.settings.handoff_timeout_s, request.max_new_tokens))
+            worker.settings.handoff_timeout_s, request.max_new_tokens, len(ids)))
         response = None
         try:
             handoff_request = rekv_pb2.HandoffRequest(
