@@ -11,7 +11,7 @@ from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs
 from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
-from rekv_core.plan.planner import Measured, Planner, RecentHandoffs
+from rekv_core.plan.planner import Measured, Planner, RecentHandoffs, action_key
 from rekv_core.plan.policy import Policy, shipped_policy
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
@@ -124,7 +124,14 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     assert expected < model_ms
     model_ms, expected = by_action[Action("bf16", 12, 30)]  # no bf16 cut measured: its kind's
     assert expected == model_ms
-
+    # a measured action within the margin wins over an unmeasured one expected a little faster
+    best, best_ms = free.candidates[0]
+    runner, runner_ms = next((p, ms) for p, ms in free.candidates[1:] if ms <= best_ms * 1.05)
+    known = {action_key(runner.action): Measured(runner_ms, 2048, 3)}  # as modelled: ratio 1
+    assert Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], None,
+                                                 known).action == runner.action
+    assert Planner(_policy({"int8": 30}), hysteresis=0).decide(
+        inputs, ["bf16", "int8"], None, known).action == best.action
 
 def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
     clock = [0.0]

@@ -7,10 +7,10 @@ action that ran recently on the decode worker, at prompts of about this length o
 today's (`measured`, reported in the decode side's offer), is expected to take its own median
 time, scaled to this prompt length by the cost model; any other action, the model's prediction
 times the measured/modelled ratio of the nearest measured cut with the same codec, else its
-kind's recent median of that ratio (`corrections`). Between near-equal
-actions it keeps the previous choice (hysteresis). `RecentHandoffs` keeps both on the decode side.
-An action whose measurements age out or whose link moved on is predicted again, so a change of
-link that makes it attractive gets it tried.
+kind's recent median of that ratio (`corrections`). Between near-equal actions it prefers a
+measured one, then the previous choice (hysteresis). `RecentHandoffs` keeps both on the decode
+side. An action whose measurements age out or whose link moved on is predicted again, so a change
+of link that makes it attractive gets it tried.
 """
 
 from __future__ import annotations
@@ -55,11 +55,14 @@ class Decision:
 
 
 class Planner:
-    """`hysteresis`: keep the action chosen last time for a request of similar length (the same
-    power of two) while its prediction is within that fraction of the best one, so near-equal
-    actions do not alternate with every estimate update. The link rate is not part of the key: a
-    settling estimate must not reset it, and a real change of link moves the prediction of the
-    old choice past the margin anyway."""
+    """`hysteresis`: among the actions expected within that fraction of the best one, prefer one
+    whose expectation rests on its own recent measurements over one the model (with a neighbour's
+    or its kind's correction) merely expects to be a little faster; then the action chosen last
+    time for a request of similar length (the same power of two), so near-equal actions do not
+    alternate with every estimate update; then the fastest. Trying an unmeasured action is worth
+    it only for a gain beyond the margin. The link rate is not part of the key: a settling
+    estimate must not reset it, and a real change of link moves the old choice past the margin
+    anyway."""
 
     def __init__(self, policy: Policy | None = None, hysteresis: float = 0.1):
         self.policy = policy
@@ -83,13 +86,13 @@ class Planner:
                 continue
             ranked.append((prediction, expected_ms(prediction, inputs, corrections, measured)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
-        best, best_ms = ranked[0]
+        known = {key for key, m in (measured or {}).items() if m.count >= MIN_MEASURED}
+        margin = ranked[0][1] * (1 + self.hysteresis)
         key = inputs.prompt_len.bit_length()
         with self._lock:
             previous = self._last.get(key)
-            kept = next(((p, ms) for p, ms in ranked if p.action == previous), None)
-            if kept is not None and kept[1] <= best_ms * (1 + self.hysteresis):
-                best, best_ms = kept
+            best, best_ms = min((pair for pair in ranked if pair[1] <= margin), key=lambda pair: (
+                action_key(pair[0].action) not in known, pair[0].action != previous, pair[1]))
             self._last[key] = best.action
         return Decision(best.action, best_ms, best.total_ms, ranked)
 
