@@ -131,9 +131,7 @@ def _receive(model, transport, request_id, schedule, timeout, extra_capacity, st
             raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
         h_time = time.perf_counter()
         out = prefill(model, ids, boundaries=())
-        for layer, (k, v) in enumerate(zip(out.keys, out.values)):
-            cache.write(layer, 0, k, v)
-        cache.length = S
+        cache.load(out.keys, out.values)
         done = time.perf_counter()
         return HandoffResult(action, cache, out.logits,
                              {"H": h_time - start, "X": 0.0, "R": done - h_time, "J": 0.0,

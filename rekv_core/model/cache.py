@@ -34,13 +34,18 @@ class KVCache:
         if capacity < seq_len:
             raise ValueError(f"capacity: {capacity} is smaller than the prompt ({seq_len})")
         cache = cls(len(keys), n_kv, head_dim, capacity, keys[0].dtype, keys[0].device)
+        cache.load(keys, values)
+        return cache
+
+    def load(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Fill every layer with the given `[n_kv, S, d_h]` K and V from position 0; length = S."""
+        n_kv, seq_len, head_dim = keys[0].shape
         for index, (k, v) in enumerate(zip(keys, values)):
             if k.shape != (n_kv, seq_len, head_dim) or v.shape != k.shape:
                 raise ValueError(f"layer {index}: K {tuple(k.shape)} / V {tuple(v.shape)} differ "
                                  f"from layer 0's {(n_kv, seq_len, head_dim)}")
-            cache.write(index, 0, k, v)
-        cache.length = seq_len
-        return cache
+            self.write(index, 0, k, v)
+        self.length = seq_len
 
     @property
     def num_layers(self) -> int:

@@ -1,11 +1,11 @@
 """Running estimates that move with what is observed: link rate, per-MiB costs, layer costs.
 
-`Ewma` is an exponentially weighted mean seeded with a prior. `LinkEstimate` is the median rate
-of the last `window` (bytes, seconds) samples, so one disturbed sample does not move it and a real
-change of link does within half a window; samples under `min_bytes` say more about latency than
-rate and are skipped. `LayerCost` is the suffix cost of one layer as a function of prompt length, measured at a
-few lengths and interpolated (piecewise linear in S; beyond the last point it extrapolates along
-a quadratic through the origin, since attention grows with S²).
+`Ewma` is an exponentially weighted mean seeded with a prior. `LinkEstimate` is the median rate of
+the last `window` (bytes, seconds) samples, so one disturbed sample does not move it and a real
+change of link does within half a window; samples under `min_bytes` say more about latency than rate
+and are skipped. `LayerCost` is the suffix cost of one layer as a function of prompt length,
+measured at a few lengths and interpolated (piecewise linear in S; beyond the last point it
+extrapolates along a quadratic through the origin, since attention grows with S²).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ class Planner:
                 continue
             ranked.append((prediction, expected_ms(prediction, inputs, corrections, measured)))
         ranked.sort(key=lambda pair: (pair[1], pair[0].bytes))
-        known = {key for key, m in (measured or {}).items() if m.count >= MIN_MEASURED}
+        known = _usable(measured)
         margin = ranked[0][1] * (1 + self.hysteresis)
         key = inputs.prompt_len.bit_length()
         with self._lock:
@@ -117,8 +117,7 @@ def expected_ms(prediction: Prediction, inputs: CostInputs,
     share the model's errors, such as an encoder slower than profiled); by its kind's ratio;
     the model's time alone."""
     action = prediction.action
-    usable = {key: m for key, m in (measured or {}).items()
-              if m.count >= MIN_MEASURED and m.median_ms > 0}
+    usable = _usable(measured)
     own = usable.get(action_key(action))
     if own is not None:
         then_ms = _modelled_at(action, inputs, own.prompt_len)
@@ -130,6 +129,12 @@ def expected_ms(prediction: Prediction, inputs: CostInputs,
         if then_ms > 0:
             return prediction.total_ms * seen.median_ms / then_ms
     return prediction.total_ms * correction(corrections or {}, action)
+
+
+def _usable(measured: Mapping[str, Measured] | None) -> dict[str, Measured]:
+    """The measurements an action's expectation may rest on: at least `MIN_MEASURED` handoffs."""
+    return {key: m for key, m in (measured or {}).items()
+            if m.count >= MIN_MEASURED and m.median_ms > 0}
 
 
 def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int) -> float:

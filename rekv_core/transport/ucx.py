@@ -18,12 +18,12 @@ Request ids must be unique per transfer (the services add a nonce to each reques
 Each open request has a reader on the engine loop that receives its messages in order as soon as
 they arrive, up to `prefetch` messages ahead of the consumer, so the wire does not idle while the
 consumer decodes the previous layer (a rendezvous send completes only once its receive is posted).
-Each message it hands over carries its `Arrival` (how long the reader took to look for it,
-whether it was already there, when its last byte landed; `arrivals`), from which the decode worker estimates the link. A
-request aborted before its last message (timeout, error, cancelled request) is drained: its reader
-discards what it has queued and, for `drain_seconds` after the last arrival, takes and discards the
-remaining messages in order, so the sender's pending sends complete and UCX holds no unexpected data
-for it; they count as `strays`.
+Each message it hands over carries its `Arrival` (how long the reader took to look for it, whether
+it was already there, when its last byte landed; `arrivals`), from which the decode worker estimates
+the link. A request aborted before its last message (timeout, error, cancelled request) is drained:
+its reader discards what it has queued and, for `drain_seconds` after the last arrival, takes and
+discards the remaining messages in order, so the sender's pending sends complete and UCX holds no
+unexpected data for it; they count as `strays`.
 Messages for a request that is never opened are never received: a large one sent by rendezvous makes
 the sender's `flush` time out, an eager one stays in UCX's unexpected queue until the worker closes.
 The services only send for requests the decode side has opened.

@@ -1,15 +1,15 @@
 """The decode service: `Decode.Generate`, the router's entry point.
 
 Per call: validate (INVALID_ARGUMENT naming the field) and tokenize; wait for a slot (at most
-`max_concurrent` at once); open a fresh transfer on the UCX receiver and start receiving (the
-cache is allocated then, while the prefill side computes, not while the first layers land); call the
-prefill service's `Handoff` with this worker's offer (its suffix cost per layer at this prompt length
-under its current load, its restore costs, its UCX address, the codecs it accepts); once the cache
-is complete, decode `max_new_tokens` from it (greedy or seeded sampling) and stream the tokens, with
-a summary last. If the data plane fails (a lost, corrupt or late payload), the worker falls back to
-recomputing the prompt from its token ids, never decoding from a broken cache, and says so in the
-summary. A passed deadline ends the call with DEADLINE_EXCEEDED; the transfer is closed, which
-drains whatever the prefill side still sends.
+`max_concurrent` at once); open a fresh transfer on the UCX receiver and start receiving (the cache
+is allocated then, while the prefill side computes, not while the first layers land); call the
+prefill service's `Handoff` with this worker's offer (its suffix cost per layer at this prompt
+length under its current load, its restore costs, its UCX address, the codecs it accepts); once the
+cache is complete, decode `max_new_tokens` from it (greedy or seeded sampling) and stream the
+tokens, with a summary last. If the data plane fails (a lost, corrupt or late payload), the worker
+falls back to recomputing the prompt from its token ids, never decoding from a broken cache, and
+says so in the summary. A passed deadline ends the call with DEADLINE_EXCEEDED; the transfer is
+closed, which drains whatever the prefill side still sends.
 """
 
 from __future__ import annotations
