@@ -44,7 +44,7 @@ bench-handoff: $(VENV)/.runtime
 
 # Regenerate services/rpc/ from proto/ (grpcio-tools comes with the test extra).
 proto: $(VENV)/.test
-	$(BIN)/python -m services.generate_rpc
+	$(BIN)/python -m rekv_cli.generate_rpc
 
 clean:
 	rm -rf $(VENV)

@@ -29,7 +29,7 @@ from rekv_core.bench.machine import cpu_model  # noqa: E402
 from rekv_core.codecs import codec_names, get_codec  # noqa: E402
 from rekv_core.codecs.base import EncodedKV  # noqa: E402
 from rekv_core.kernels import dequantize_groupwise, quantize_groupwise  # noqa: E402
-from rekv_core.model.shapes import get_preset  # noqa: E402
+from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 from rekv_core.timing import median_seconds  # noqa: E402
 
 WARMUPS = 3
@@ -95,7 +95,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args()
-    result = run(args.model or ["smollm2-135m", "qwen2.5-7b"], args.prompt_len, args.repeats,
+    result = run(args.model or [DEFAULT_MODEL, "qwen2.5-7b"], args.prompt_len, args.repeats,
                  torch.device(args.device))
     print(f"{result['machine']['cpu']} ({result['machine']['cores']} threads), "
           f"torch {result['machine']['torch']}: copy bandwidth {result['copy_gbps']:.2f} GB/s")

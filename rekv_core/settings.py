@@ -20,12 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core.model.shapes import DEFAULT_MODEL
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
 class RuntimeSettings:
-    model: str = "smollm2-135m"  # a preset with weights, synthetic:<preset>, a .gguf or a directory
+    model: str = DEFAULT_MODEL  # a preset with weights, synthetic:<preset>, a .gguf or a directory
     device: str = "cpu"  # cpu, cuda or cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     torch_threads: int = 0  # torch intra-op threads on the CPU; 0: every usable core

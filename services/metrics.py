@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rekv_core.handoff import Action, WireBytes
+from rekv_core.plan.calibration import HandoffObservation
+
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTE_KINDS = ("boundary", "prefix", "scales", "tokens", "head")
 
@@ -50,13 +53,36 @@ class ServiceMetrics:
             "rekv_transport_pending", "Data-plane state still held: open or draining transfers "
             "(decode), messages not yet sent (prefill)", registry=r)
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
-                          "The link rate estimate used by the planner, Gb/s", registry=r)
+                          "The link rate estimate, Gb/s: the one the decode worker measures and "
+                          "offers (decode), the one the planner last used (prefill)", registry=r)
 
-    def count_bytes(self, wire) -> None:
+    def count_bytes(self, wire: WireBytes) -> None:
         for kind in BYTE_KINDS:
             amount = getattr(wire, kind)
             if amount:
                 self.bytes.labels(kind).inc(amount)
+
+    def record_received(self, handoff: HandoffObservation, predicted_ms: float) -> None:
+        """The decode side of one completed handoff."""
+        t, action = handoff.timings, handoff.action
+        self.handoff.observe(handoff.handoff_s)
+        self.boundary.observe(handoff.boundary_s)
+        self.prefix.observe(t.x_s)
+        self.suffix.observe(t.r_s)
+        self.join.observe(t.j_s)
+        self.count_bytes(handoff.wire)
+        self.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
+        if predicted_ms > 0:
+            self.prediction_error.observe(handoff.handoff_s * 1e3 / predicted_ms)
+
+    def record_sent(self, action: Action, prefill_s: float, quantize_s: float, send_s: float,
+                    wire: WireBytes) -> None:
+        """The prefill side of one completed handoff."""
+        self.handoff.observe(send_s)
+        self.prefill.observe(prefill_s)
+        self.quantize.observe(quantize_s)
+        self.count_bytes(wire)
+        self.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server; returns the bound port."""

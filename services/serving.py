@@ -1,5 +1,5 @@
 """What both services share: the gRPC server's life cycle on uvloop, health, reflection, the
-metrics endpoint, the ready file, graceful shutdown, and mapping errors to gRPC status codes.
+metrics endpoint, the ready file and graceful shutdown; and the base of both workers.
 
 `serve(settings, build)` loads nothing itself: `build(server, metrics)` adds the servicers and
 returns (service names, an async `drain()` the shutdown awaits, and extra ready-file fields). On
@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rekv_core.transport import TransportOptions
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
 
@@ -32,24 +33,24 @@ Build = Callable[[grpc.aio.Server, ServiceMetrics],
 
 
 class Worker:
-    """What both workers hold: settings, metrics, the model, torch threads, the UCX engine."""
+    """What both workers hold: settings, metrics, the model and its torch threads."""
 
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
-        from rekv_core.transport.ucx import UcxEngine
-
         runtime = settings.runtime
         self.settings = settings
         self.metrics = metrics
         self.threads = runtime.apply_threads()
         self.model = runtime.load_model()
         self.shape = self.model.shape
-        # host memory travels eagerly into large socket buffers; device memory needs rendezvous
-        self.engine = UcxEngine(settings.loop_nice,
-                                host_eager=self.model.device.type == "cpu")
 
-
-class InvalidArgument(ValueError):
-    """Bad input from the caller: INVALID_ARGUMENT, with a message naming the field."""
+    def transport_options(self) -> TransportOptions:
+        """The data plane's options on this worker. Host memory travels eagerly into large
+        socket buffers; device memory needs UCX's rendezvous protocol."""
+        s = self.settings
+        return TransportOptions(host=s.host, port=s.ucx_port, device=str(self.model.device),
+                                loop_nice=s.loop_nice,
+                                host_eager=self.model.device.type == "cpu",
+                                pace_gbps=s.pace_gbps)
 
 
 def run(settings: ServiceSettings, build: Build) -> int:
@@ -99,19 +100,3 @@ async def serve(settings: ServiceSettings, build: Build) -> int:
     await drain()
     log.info("%s service stopped", settings.role)
     return 0
-
-
-def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status a failed request ends with, and the reason label for metrics."""
-    from rekv_core.codecs.base import CorruptPayloadError
-    from rekv_core.transport import TransportError
-
-    if isinstance(exc, InvalidArgument):
-        return grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
-    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"
-    if isinstance(exc, (TransportError, CorruptPayloadError)):
-        return grpc.StatusCode.UNAVAILABLE, "transfer"
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return exc.code(), "peer_" + exc.code().name.lower()
-    return grpc.StatusCode.INTERNAL, "internal"

@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass
 
 from rekv_core.codecs import codec_names
+from rekv_core.model.shapes import DEFAULT_MODEL
 from rekv_core.settings import RuntimeSettings
+from rekv_core.transport import TRANSPORTS
 
 ROLES = ("prefill", "decode")
 # The decode worker recomputes the suffix while its UCX loop thread waits for the prefix, and in
@@ -23,17 +25,19 @@ ROLES = ("prefill", "decode")
 # (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 
+
 @dataclass(frozen=True)
 class ServiceSettings:
     role: str
-    model: str = "smollm2-135m"
+    model: str = DEFAULT_MODEL
     device: str = "cpu"
     dtype: str = "auto"
     torch_threads: int = 0  # 0: every usable core
     host: str = "127.0.0.1"  # where gRPC, metrics and UCX listen
     grpc_port: int = 0  # 0: pick a free port (printed and written to --ready-file)
     metrics_port: int = 0
-    ucx_port: int = 0  # decode only
+    transport: str = "ucx"  # the data plane: ucx, or inprocess (both services in one process)
+    ucx_port: int = 0  # decode only: where its data-plane listener binds
     prefill_address: str = ""  # decode only: host:port of the prefill service's gRPC
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512  # the limit on a request's max_new_tokens
@@ -65,6 +69,9 @@ class ServiceSettings:
         if unknown or not self.codecs:
             raise ValueError(f"codecs: must be a non-empty subset of {codec_names()}, "
                              f"got {list(self.codecs)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport: must be one of {', '.join(TRANSPORTS)}, got "
+                             f"{self.transport!r}")
         if self.pace_gbps < 0:
             raise ValueError(f"pace_gbps: must be >= 0, got {self.pace_gbps}")
         if not -1 <= self.ucx_loop_nice <= 19:
@@ -112,8 +119,10 @@ class ServiceSettings:
                 values[f.name] = _convert(f, raw)
         return cls(role=role, **values)
 
+
 def _show(value) -> str:
     return ",".join(value) if isinstance(value, tuple) else repr(value)
+
 
 def _convert(f: dataclasses.Field, raw: str):
     kind = type(f.default) if f.default is not dataclasses.MISSING else tuple

@@ -1,12 +1,22 @@
-"""Conversions between the protobuf messages and the handoff's own values."""
+"""Conversions between the protobuf messages of `proto/rekv/v1` and the services' own values.
+
+This is the only module that reads or builds protobuf messages. Readers check each field's form
+and raise `InvalidArgument` naming the field (`forced_action.cut`, `offer.codecs`, ...); they never
+hand a malformed value on.
+"""
 
 from __future__ import annotations
 
 from rekv_core.codecs import codec_names
-from rekv_core.handoff import Action
-from rekv_core.handoff.action import WireBytes
+from rekv_core.handoff import Action, ActionKind, WireBytes
+from rekv_core.model.sampling import SamplingParams
+from rekv_core.plan.calibration import DecodeCosts
+from rekv_core.plan.planner import Evidence
+from rekv_core.plan.recent import Measured
+from services.calls import (Completion, DecodeOffer, GenerateCall, HandoffCall, HandoffReply,
+                            HandoffReport)
+from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
-from services.serving import InvalidArgument
 
 
 def action_from_proto(message, num_layers: int, field: str = "forced_action") -> Action:
@@ -25,3 +35,136 @@ def action_to_proto(action: Action):
 def wire_bytes_to_proto(wire: WireBytes):
     return rekv_pb2.WireBytes(boundary=wire.boundary, prefix=wire.prefix, scales=wire.scales,
                               tokens=wire.tokens, head=wire.head)
+
+
+def _wire_bytes_from_proto(message) -> WireBytes:
+    return WireBytes(message.boundary, message.prefix, message.scales, message.tokens,
+                     message.head)
+
+
+# ------------------------------------------------------------------ router -> decode worker
+
+
+def generate_call(request, num_layers: int) -> GenerateCall:
+    """A router's `GenerateRequest`; limits that depend on settings are the worker's to check."""
+    if not request.request_id:
+        raise InvalidArgument("request_id: required")
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise InvalidArgument("prompt: set token_ids or text")
+    forced = (action_from_proto(request.forced_action, num_layers)
+              if request.HasField("forced_action") else None)
+    sampling = SamplingParams()
+    if request.HasField("sampling"):
+        s = request.sampling
+        try:
+            sampling = SamplingParams(temperature=s.temperature, top_p=s.top_p or 1.0,
+                                      top_k=s.top_k, seed=s.seed)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+    return GenerateCall(
+        request_id=request.request_id,
+        text=request.text if which == "text" else None,
+        token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
+        max_new_tokens=request.max_new_tokens, sampling=sampling, forced_action=forced,
+        stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True)
+
+
+def token_response(token: int, text: str):
+    return rekv_pb2.GenerateResponse(token_ids=[token], text=text)
+
+
+def summary_response(done: Completion):
+    h = done.handoff
+    summary = rekv_pb2.Summary(
+        request_id=done.request_id, prompt_tokens=done.prompt_tokens,
+        generated_tokens=done.generated_tokens, finish_reason=done.finish_reason,
+        ttft_ms=done.ttft_ms, request_ms=done.request_ms,
+        action=action_to_proto(h.action), action_kind=h.action.kind.value,
+        bytes=wire_bytes_to_proto(h.bytes), predicted_handoff_ms=h.predicted_ms,
+        measured_handoff_ms=h.measured_ms, fallback=h.fallback, fallback_reason=h.fallback_reason,
+        timings=rekv_pb2.HandoffTimings(prefill_ms=h.prefill_ms, q_ms=h.q_ms, h_ms=h.h_ms,
+                                        x_ms=h.x_ms, r_ms=h.r_ms, j_ms=h.j_ms))
+    return rekv_pb2.GenerateResponse(summary=summary)
+
+
+# ------------------------------------------------------------ decode worker -> prefill worker
+
+
+def handoff_request(call: HandoffCall):
+    offer, costs = call.offer, call.offer.costs
+    measured = [rekv_pb2.MeasuredHandoffs(action=action_to_proto(action),
+                                          median_ms=m.median_ms, median_prompt_len=m.prompt_len,
+                                          count=m.count)
+                for action, m in costs.evidence.measured.items()]
+    request = rekv_pb2.HandoffRequest(
+        request_id=call.request_id, transfer_id=call.transfer_id, token_ids=call.token_ids,
+        offer=rekv_pb2.DecodeOffer(
+            ucx_address=offer.address, codecs=list(offer.codecs), model=offer.model,
+            num_layers=offer.num_layers, queue_depth=offer.queue_depth,
+            handoffs_in_flight=offer.handoffs_in_flight,
+            suffix_ms_per_layer=costs.suffix_ms_per_layer,
+            restore_ms_per_mib=costs.restore_ms_per_mib, join_ms=costs.join_ms,
+            message_ms=costs.message_ms, link_gbps=costs.link_gbps,
+            measured_over_model={kind.value: ratio
+                                 for kind, ratio in costs.evidence.over_model.items()},
+            measured=measured))
+    if call.forced_action is not None:
+        request.forced_action.CopyFrom(action_to_proto(call.forced_action))
+    return request
+
+
+def handoff_call(request, num_layers: int) -> HandoffCall:
+    """A decode worker's `HandoffRequest`, its actions read against this worker's L."""
+    if not request.transfer_id:
+        raise InvalidArgument("transfer_id: required")
+    if not request.token_ids:
+        raise InvalidArgument("token_ids: must not be empty")
+    offer = request.offer
+    if not offer.ucx_address:
+        raise InvalidArgument("offer.ucx_address: required")
+    unknown = [c for c in offer.codecs if c not in codec_names()]
+    if unknown:
+        raise InvalidArgument(f"offer.codecs: unknown codec(s) {unknown}")
+    kinds = {kind.value: kind for kind in ActionKind}
+    strange = [k for k in offer.measured_over_model if k not in kinds]
+    if strange:
+        raise InvalidArgument(f"offer.measured_over_model: unknown action kind(s) {strange}")
+    evidence = Evidence(
+        over_model={kinds[k]: ratio for k, ratio in offer.measured_over_model.items()},
+        measured={action_from_proto(m.action, num_layers, "offer.measured.action"):
+                  Measured(m.median_ms, m.median_prompt_len, m.count) for m in offer.measured})
+    costs = DecodeCosts(suffix_ms_per_layer=offer.suffix_ms_per_layer,
+                        restore_ms_per_mib=dict(offer.restore_ms_per_mib),
+                        join_ms=offer.join_ms, message_ms=offer.message_ms,
+                        link_gbps=offer.link_gbps, evidence=evidence)
+    forced = (action_from_proto(request.forced_action, num_layers)
+              if request.HasField("forced_action") else None)
+    return HandoffCall(
+        request_id=request.request_id, transfer_id=request.transfer_id,
+        token_ids=list(request.token_ids), forced_action=forced,
+        offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
+                          address=offer.ucx_address, codecs=tuple(offer.codecs),
+                          queue_depth=offer.queue_depth,
+                          handoffs_in_flight=offer.handoffs_in_flight, costs=costs))
+
+
+def handoff_response(reply: HandoffReply):
+    return rekv_pb2.HandoffResponse(
+        action=action_to_proto(reply.action), action_kind=reply.action.kind.value,
+        predicted_ms=reply.predicted_ms, model_ms=reply.model_ms,
+        candidates=[rekv_pb2.Candidate(action=action_to_proto(p.action),
+                                       action_kind=p.action.kind.value, predicted_ms=ms,
+                                       bytes=p.bytes)
+                    for p, ms in reply.candidates],
+        prefill_ms=reply.prefill_ms, q_ms=reply.q_ms, send_ms=reply.send_ms,
+        bytes=wire_bytes_to_proto(reply.bytes), link_gbps_estimate=reply.link_gbps)
+
+
+def handoff_reply(response, num_layers: int) -> HandoffReply:
+    """The prefill worker's answer (its candidates are for its logs and are not read back)."""
+    return HandoffReply(
+        action=action_from_proto(response.action, num_layers, "action"),
+        predicted_ms=response.predicted_ms, model_ms=response.model_ms,
+        prefill_ms=response.prefill_ms, q_ms=response.q_ms, send_ms=response.send_ms,
+        bytes=_wire_bytes_from_proto(response.bytes), link_gbps=response.link_gbps_estimate)

@@ -48,7 +48,7 @@ def test_sweep_covers_every_action_kind_and_both_schedules():
 
 
 def _rekv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rekv_cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

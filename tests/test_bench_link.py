@@ -10,7 +10,13 @@ import time
 
 import pytest
 
-from rekv_core.bench.netns import EmulatedLink, unavailable
+from rekv_cli.linkbench.netns import EmulatedLink, unavailable
+from rekv_core.handoff import Action, wire_bytes
+from rekv_core.model import get_preset
+from rekv_core.plan.planner import Planner
+from rekv_core.plan.policy import shipped_policy
+
+SHAPE = get_preset("smollm2-135m")
 
 
 def _namespaces() -> str:
@@ -20,7 +26,7 @@ def _namespaces() -> str:
 def _bench(tmp_path, *extra):
     out, png = tmp_path / "link.json", tmp_path / "link.png"
     result = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "link", "--prompt-len", "32",
+        [sys.executable, "-m", "rekv_cli", "bench", "link", "--prompt-len", "32",
          "--link-gbps", "2", "--cuts", "15", "--warmups", "1", "--runs", "2", "--json", str(out),
          "--plot", str(png), "--log-dir", str(tmp_path / "logs"), *extra],
         capture_output=True, text=True, timeout=600)
@@ -33,12 +39,25 @@ def _check(report, png):
     labels = [r["label"] for r in rows]
     assert labels[:3] == ["BF16", "int8 only", "tokens"]
     assert {"BF16 c=15", "int8 c=15"} <= set(labels) and labels[-1].startswith("planner: ")
+    forced = [r for r in rows if not r["planner"]]
+    wanted = [("bf16", 30), ("int8", 30), ("bf16", 0), ("bf16", 15), ("int8", 15)]
+    assert [(r["codec"], r["cut"]) for r in forced] == wanted  # the services honoured each one
     for r in rows:
         assert len(r["samples_ms"]) == 2 and r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
         assert r["fallbacks"] == 0 and r["link_gbps"] == 2.0
+        assert r["bytes"] == wire_bytes(Action(r["codec"], r["cut"], 30), SHAPE, 32).total
+        assert r["speedup_vs_bf16"] == pytest.approx(rows[0]["median_ms"] / r["median_ms"])
+    # the emulated link holds the data: BF16 transfer's prefix takes at least its wire time
+    bf16 = rows[0]
+    wire_ms = wire_bytes(Action.full_bf16(30), SHAPE, 32).prefix * 8 / 2e9 * 1e3
+    assert bf16["parts_median_ms"]["X"] >= 0.8 * wire_ms
+    planner = rows[-1]
+    allowed = Planner(shipped_policy("smollm2-135m"))
+    assert all(allowed.allowed(Action(codec, cut, 30), 32) for _, codec, cut in planner["picks"])
     (point,) = report["points"]
-    assert point["best"]["median_ms"] <= min(r["median_ms"] for r in rows if not r["planner"])
-    assert isinstance(point["planner_within_10pct"], bool)
+    best = min(forced, key=lambda r: r["median_ms"])
+    assert point["best"]["label"] == best["label"]
+    assert point["planner_within_10pct"] == (planner["median_ms"] <= 1.1 * best["median_ms"])
     assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
     assert png.read_bytes()[:4] == b"\x89PNG"
 
@@ -73,7 +92,7 @@ def test_sigterm_stops_the_services_and_removes_the_namespaces(tmp_path):
     before = _namespaces()
     logs = tmp_path / "logs"
     bench = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "bench", "link", "--prompt-len", "32",
+        [sys.executable, "-m", "rekv_cli", "bench", "link", "--prompt-len", "32",
          "--link-gbps", "2", "--cuts", "15", "--runs", "1000", "--log-dir", str(logs)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300

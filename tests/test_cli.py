@@ -10,7 +10,7 @@ MiB = 1 << 20
 
 
 def _rekv(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rekv_cli", *args], capture_output=True,
                           text=True, timeout=300)
 
 

@@ -12,7 +12,7 @@ from services.settings import ServiceSettings
 
 
 def test_generated_modules_match_the_proto():
-    result = subprocess.run([sys.executable, "-m", "services.generate_rpc", "--check"],
+    result = subprocess.run([sys.executable, "-m", "rekv_cli.generate_rpc", "--check"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
 

@@ -6,13 +6,14 @@ import json
 import pytest
 import torch
 
-from rekv_core.handoff import Action
+from rekv_core.handoff import Action, ActionKind
 from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs
 from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
-from rekv_core.plan.planner import Measured, Planner, RecentHandoffs, action_key
+from rekv_core.plan.planner import Evidence, Planner
 from rekv_core.plan.policy import Policy, shipped_policy
+from rekv_core.plan.recent import Measured, RecentHandoffs
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
         "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
@@ -54,10 +55,11 @@ def test_gate_passes_int8_and_names_what_fails(smollm_bf16, tokenizer):
         assert v["eligible"] == (not v["reasons"])
     assert verdicts["int8", 15]["perplexity_rise"] < verdicts["int4", 30]["perplexity_rise"]
     assert verdicts["int4", 30]["continuation_kl"] > verdicts["int8", 30]["continuation_kl"]
-    for codec, cut in policy.max_cut.items():
-        for v in policy.verdicts:
-            if v["codec"] == codec and v["cut"] <= cut:
-                assert v["eligible"]
+    # int8 keeps the output at every cut; int4 through all 30 layers does not, and says why
+    assert verdicts["int8", 15]["eligible"] and verdicts["int8", 30]["eligible"]
+    assert not verdicts["int4", 30]["eligible"]
+    assert any("perplexity" in reason for reason in verdicts["int4", 30]["reasons"])
+    assert policy.max_cut == {"int8": 30, "int4": 0}
     assert policy.meta["prompts"] == 3 and len(policy.meta["bf16_needles"]) == 1
 
 
@@ -88,7 +90,8 @@ def test_policy_round_trips_and_gates_actions(tmp_path):
 
 def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     shape = get_preset("smollm2-135m")
-    inputs = CostInputs(shape, 2048, 0.4, 30.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+    inputs = CostInputs(shape, 2048, 0.4, 30.0, {"bf16": 0.0, "int8": 0.5},
+                        {"bf16": 0.01, "int8": 0.01}, 1.0)
     free = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"])
     assert free.action.kind.value == "joint"
     capped = Planner(_policy({"int8": 8})).decide(inputs, ["bf16", "int8"])
@@ -97,26 +100,26 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     outside = Planner(_policy({"int8": 30})).decide(
         CostInputs(shape, 4096, 0.4, 30.0, {"int8": 0.5}), ["int8", "bf16"])
     assert outside.action.codec == "bf16" or outside.action.cut == 0
-    slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
-                                                       {"joint": 10.0})
+    slow = Evidence(over_model={ActionKind.JOINT: 10.0})
+    slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], slow)
     assert slow_joint.action.kind.value != "joint"  # measured 10x slower than modelled
     # an action's own recent handoffs override its kind's ratio, once there are enough of them
-    own = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
-                                                {"int8:20": Measured(1.0, 2048, 3)})
+    own = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], Evidence(
+        slow.over_model, {Action("int8", 20, 30): Measured(1.0, 2048, 3)}))
     assert own.action == Action("int8", 20, 30) and own.predicted_ms == 1.0
-    few = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
-                                                {"int8:20": Measured(1.0, 2048, 2)})
+    few = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], Evidence(
+        slow.over_model, {Action("int8", 20, 30): Measured(1.0, 2048, 2)}))
     assert few.action != Action("int8", 20, 30)
     # measured at another prompt length: scaled by the model from there to here
-    half = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], {"joint": 10.0},
-                                                 {"int8:20": Measured(1.0, 1024, 5)})
+    half = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], Evidence(
+        slow.over_model, {Action("int8", 20, 30): Measured(1.0, 1024, 5)}))
     scaled = next(ms for p, ms in half.candidates if p.action == Action("int8", 20, 30))
     assert 1.3 < scaled < 3.0
     # an unmeasured cut takes the ratio of the nearest measured cut with its codec
     int8_30 = next(p for p, _ in free.candidates if p.action == Action("int8", 30, 30))
-    slow = {"int8:30": Measured(3 * int8_30.total_ms, 2048, 3),
-            "int8:10": Measured(1.0, 2048, 3)}
-    near = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], None, slow)
+    seen = {Action("int8", 30, 30): Measured(3 * int8_30.total_ms, 2048, 3),
+            Action("int8", 10, 30): Measured(1.0, 2048, 3)}
+    near = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], Evidence(measured=seen))
     by_action = {p.action: (p.total_ms, ms) for p, ms in near.candidates}
     model_ms, expected = by_action[Action("int8", 27, 30)]
     assert expected == pytest.approx(3 * model_ms)
@@ -127,11 +130,21 @@ def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     # a measured action within the margin wins over an unmeasured one expected a little faster
     best, best_ms = free.candidates[0]
     runner, runner_ms = next((p, ms) for p, ms in free.candidates[1:] if ms <= best_ms * 1.05)
-    known = {action_key(runner.action): Measured(runner_ms, 2048, 3)}  # as modelled: ratio 1
-    assert Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], None,
+    known = Evidence(measured={runner.action: Measured(runner_ms, 2048, 3)})  # ratio 1
+    assert Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"],
                                                  known).action == runner.action
     assert Planner(_policy({"int8": 30}), hysteresis=0).decide(
-        inputs, ["bf16", "int8"], None, known).action == best.action
+        inputs, ["bf16", "int8"], known).action == best.action
+    # a forced action is evaluated like any other: the same expectation, the same ranking
+    forced = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], known,
+                                                   forced=runner.action)
+    assert forced.forced and forced.action == runner.action
+    assert forced.predicted_ms == pytest.approx(runner_ms) and forced.candidates == near_ranking(
+        inputs, known)
+
+
+def near_ranking(inputs, evidence):
+    return Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], evidence).candidates
 
 def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
     clock = [0.0]
@@ -139,32 +152,36 @@ def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
     for measured in (10, 20, 30, 40):
         recent.observe(Action("int8", 21, 30), 1024, 10.0, measured, link_gbps=1.0)
     recent.observe(Action("int8", 9, 30), 256, 10.0, 5.0, link_gbps=1.0)
-    assert recent.corrections(1.0) == {"joint": 3.0}
+    assert recent.corrections(1.0) == {ActionKind.JOINT: 3.0}
     assert recent.corrections(3.0) == {}
-    assert recent.measured(1100, 1.0) == {"int8:21": Measured(30.0, 1024, 3)}
-    assert recent.measured(256, 1.5) == {"int8:9": Measured(5.0, 256, 1)}
+    a21, a9 = Action("int8", 21, 30), Action("int8", 9, 30)
+    assert recent.measured(1100, 1.0) == {a21: Measured(30.0, 1024, 3)}
+    assert recent.measured(256, 1.5) == {a9: Measured(5.0, 256, 1)}
     assert recent.measured(256, 2.5) == {}  # measured over a link unlike today's
     clock[0] = 50.0
     recent.observe(Action("int8", 21, 30), 1500, 10.0, 100.0, link_gbps=4.0)
-    assert recent.measured(1024, 1.0) == {"int8:21": Measured(35.0, 1024, 2)}
-    assert recent.measured(1024, 4.0) == {"int8:21": Measured(100.0, 1500, 1)}
+    assert recent.measured(1024, 1.0) == {a21: Measured(35.0, 1024, 2)}
+    assert recent.measured(1024, 4.0) == {a21: Measured(100.0, 1500, 1)}
     clock[0] = 120.0  # the first ones aged out
     assert recent.measured(1024, 1.0) == {}
-    assert recent.measured(1024, 4.0) == {"int8:21": Measured(100.0, 1500, 1)}
+    assert recent.measured(1024, 4.0) == {a21: Measured(100.0, 1500, 1)}
 
 
-def test_shipped_policy_is_valid_if_present():
+def test_the_embedded_models_policy_ships_with_its_verdicts():
     policy = shipped_policy("smollm2-135m")
-    if policy is not None:
-        assert policy.model == "smollm2-135m" and policy.verdicts
-        assert shipped_policy("no-such-model") is None
+    assert policy is not None, "rekv_core/plan/policies/smollm2-135m.json is not in the package"
+    assert policy.model == "smollm2-135m" and policy.covers(2048)
+    assert policy.max_cut == {"int8": 30, "int4": 9}  # the gate's results, in the README
+    for v in policy.verdicts:  # every verdict agrees with the cut it vouches for
+        assert v["eligible"] == (v["cut"] <= policy.max_cut[v["codec"]]), v
+    assert shipped_policy("no-such-model") is None
 
 
 def _rekv(*args):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "rekv_cli", *args], capture_output=True,
                           text=True, timeout=600)
 
 
@@ -207,7 +224,8 @@ def test_planner_keeps_its_previous_choice_among_near_equals():
     shape = get_preset("smollm2-135m")
 
     def inputs(gamma, gbps=0.4):
-        return CostInputs(shape, 2048, gbps, gamma, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+        return CostInputs(shape, 2048, gbps, gamma, {"bf16": 0.0, "int8": 0.5},
+                          {"bf16": 0.01, "int8": 0.01}, 1.0)
 
     planner = Planner(_policy({"int8": 30}))
     first = planner.decide(inputs(30.0), ["bf16", "int8"]).action
@@ -232,7 +250,8 @@ def test_a_change_of_link_moves_the_choice_within_a_few_requests():
     S, codecs = 2048, ["bf16", "int8"]
 
     def world(gbps):
-        return CostInputs(shape, S, gbps, 30.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+        return CostInputs(shape, S, gbps, 30.0, {"bf16": 0.0, "int8": 0.5},
+                          {"bf16": 0.01, "int8": 0.01}, 1.0)
 
     planner = Planner(_policy({"int8": 30}))
     recent, link = RecentHandoffs(), LinkEstimate(1.0, min_bytes=1)
@@ -241,8 +260,8 @@ def test_a_change_of_link_moves_the_choice_within_a_few_requests():
 
     def serve(true_gbps):
         inputs = world(link.gbps)
-        decision = planner.decide(inputs, codecs, recent.corrections(link.gbps),
-                                  recent.measured(S, link.gbps))
+        decision = planner.decide(inputs, codecs, Evidence(recent.corrections(link.gbps),
+                                                           recent.measured(S, link.gbps)))
         measured = predict(decision.action, world(true_gbps)).total_ms * 1.2
         recent.observe(decision.action, S, decision.model_ms, measured, link.gbps)
         link.observe(10**7, 10**7 * 8 / (true_gbps * 1e9))

@@ -71,7 +71,9 @@ def test_every_action_rebuilds_the_cache(smollm_bf16, tokenizer, schedule):
             assert torch.equal(result.logits, state.logits), str(action)
         if action.kind is ActionKind.JOINT and action.codec == "int8":
             assert result.logits.argmax() == state.logits.argmax(), str(action)
-        assert set(result.timings) == {"H", "X", "R", "J", "total"}
+        t = result.timings  # eq. 9's structure: the join follows the later of the two branches
+        assert min(t.h_s, t.x_s, t.r_s, t.j_s) >= 0
+        assert t.total_s >= t.h_s + max(t.x_s, t.r_s) + t.j_s - 1e-9, str(action)
 
 
 def _fault(kind):

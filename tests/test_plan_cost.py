@@ -1,5 +1,7 @@
 """The cost model and the estimates that feed it."""
 
+import dataclasses
+
 import pytest
 
 from rekv_core.handoff import Action
@@ -13,7 +15,8 @@ L = SHAPE.num_layers
 
 
 def _inputs(gbps, gamma=2.0, S=2048):
-    return CostInputs(SHAPE, S, gbps, gamma, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0)
+    return CostInputs(SHAPE, S, gbps, gamma, {"bf16": 0.0, "int8": 0.5},
+                      {"bf16": 0.01, "int8": 0.01}, 1.0)
 
 
 def test_prediction_follows_the_byte_model_and_eq9():
@@ -70,11 +73,23 @@ def test_layer_cost_interpolates_and_grows_beyond_the_profile():
 
 def test_per_message_cost_favours_fewer_messages():
     base = _inputs(10.0, gamma=2.0, S=256)
-    costly = CostInputs(SHAPE, 256, 10.0, 2.0, {"bf16": 0.0, "int8": 0.5}, 0.01, 1.0,
-                        message_ms=3.0)
+    costly = CostInputs(SHAPE, 256, 10.0, 2.0, {"bf16": 0.0, "int8": 0.5},
+                        {"bf16": 0.01, "int8": 0.01}, 1.0, message_ms=3.0)
     joint = Action("int8", 20, L)
     assert predict(joint, costly).x_ms == pytest.approx(predict(joint, base).x_ms + 20 * 3.0)
     assert predict(joint, costly).h_ms == pytest.approx(predict(joint, base).h_ms + 3.0)
     # with a 3 ms cost per message, recomputing 30 cheap layers beats sending 30 messages
     assert choose(costly, ["bf16", "int8"])[0].action.cut < choose(base, ["bf16", "int8"])[
         0].action.cut
+
+
+def test_restore_is_charged_per_codec():
+    """Each codec's prefix pays its own restore cost, not the slowest codec's."""
+    cheap_int4 = CostInputs(SHAPE, 2048, 1.0, 2.0, {"int8": 0.5, "int4": 0.5},
+                            {"int8": 2.0, "int4": 0.1}, 1.0)
+    layer_mib = SHAPE.kv_layer_bytes(2048) / 2**20
+    free = dataclasses.replace(cheap_int4, restore_ms_per_mib={})
+    for codec, per_mib in (("int8", 2.0), ("int4", 0.1)):
+        action = Action(codec, 12, L)
+        extra = predict(action, cheap_int4).x_ms - predict(action, free).x_ms
+        assert extra == pytest.approx(per_mib * layer_mib * 12)

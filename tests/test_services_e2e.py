@@ -12,10 +12,14 @@ import grpc
 import pytest
 import torch
 
-from rekv_core.model import Model, greedy_generate, load_weights
-from services.client import generate
-from services.launcher import ServicePair
+from rekv_core.handoff import Action, wire_bytes
+from rekv_core.model import Model, get_preset, greedy_generate, load_weights
+from rekv_core.plan.planner import Planner
+from rekv_core.plan.policy import shipped_policy
+from rekv_cli.client import generate
+from rekv_cli.launcher import ServicePair
 
+SHAPE = get_preset("smollm2-135m")
 MAX_PROMPT = 600
 MAX_NEW = 96
 PROMPTS = (
@@ -33,7 +37,6 @@ def services(tmp_path_factory):
                 "--codecs", "bf16,int8,int4"]
     pair = ServicePair(settings, settings, log_dir=tmp_path_factory.mktemp("services"))
     channel = grpc.insecure_channel(pair.decode_address)
-    pair.succeeded = 0
     yield pair, channel
     channel.close()
     codes = pair.stop()
@@ -56,10 +59,8 @@ def reference(tokenizer):
 
 
 def _run(services, request_id, prompt, n, forced=None, **kwargs):
-    pair, channel = services
-    result = generate(channel, request_id, prompt, n, forced_action=forced, **kwargs)
-    pair.succeeded += 1
-    return result
+    _, channel = services
+    return generate(channel, request_id, prompt, n, forced_action=forced, **kwargs)
 
 
 @pytest.mark.parametrize("forced", [("bf16", 30), ("bf16", 15), ("bf16", 0)],
@@ -115,9 +116,20 @@ def test_text_and_token_prompts_agree_and_sampling_is_seeded(services, tokenizer
     assert first.token_ids == second.token_ids
 
 
-def test_planner_chooses_when_nothing_is_forced(services):
-    result = _run(services, "planned", PROMPTS[2], 4)
-    assert result.summary.action.cut <= 30 and result.summary.predicted_handoff_ms > 0
+def test_planner_chooses_among_the_actions_its_policy_allows(services, tokenizer):
+    """Unforced requests take the planner's choice, which the shipped policy must allow (int4
+    only up to cut 9), and the summary reports it consistently."""
+    planner = Planner(shipped_policy("smollm2-135m"))
+    for index, prompt in enumerate(PROMPTS):
+        s = _run(services, f"planned-{index}", prompt, 4).summary
+        action = Action(s.action.codec, s.action.cut, 30)
+        assert planner.allowed(action, s.prompt_tokens), str(action)
+        assert s.action_kind == action.kind.value and not s.fallback
+        assert s.predicted_handoff_ms > 0 and s.measured_handoff_ms > 0
+        expected = wire_bytes(action, SHAPE, s.prompt_tokens)
+        got = (s.bytes.boundary, s.bytes.prefix, s.bytes.scales, s.bytes.tokens, s.bytes.head)
+        assert got == (expected.boundary, expected.prefix, expected.scales, expected.tokens,
+                       expected.head)
 
 
 @pytest.mark.parametrize("kwargs,field", [
@@ -174,27 +186,44 @@ def test_deadline_frees_both_sides(services):
     _run(services, "after-late", PROMPTS[0], 4, ("int8", 15))
 
 
-def test_metrics_count_every_request(services):
-    """Runs last in this module: every successful request above is in the histograms."""
-    pair, _ = services
+def _counts(pair) -> dict[str, float]:
     decode, prefill = _metrics(pair, "decode"), _metrics(pair, "prefill")
-    done = pair.succeeded
-    assert _value(decode, "rekv_request_seconds_count") == done
-    assert _value(decode, "rekv_ttft_seconds_count") == done
-    assert _value(decode, "rekv_handoff_seconds_count") == done
-    assert _value(prefill, "rekv_prefill_seconds_count") >= done  # + the late one, if it ran
-    assert _value(prefill, "rekv_handoff_seconds_count") >= done
-    assert 'rekv_received_bytes_total{kind="boundary"}' in decode
-    assert 'rekv_sent_bytes_total{kind="prefix"}' in prefill
-    assert 'rekv_requests_total{action="joint",codec="int8",cut="15"}' in decode
-    assert _value(decode, 'rekv_failures_total{reason="invalid_argument"}') >= 10
-    assert "rekv_link_bandwidth_estimate_gbps" in prefill
+    joint = 'rekv_requests_total{action="joint",codec="int8",cut="15"}'
+    boundary = 'rekv_received_bytes_total{kind="boundary"}'
+    invalid = 'rekv_failures_total{reason="invalid_argument"}'
+    return {"request": _value(decode, "rekv_request_seconds_count"),
+            "ttft": _value(decode, "rekv_ttft_seconds_count"),
+            "decode_handoff": _value(decode, "rekv_handoff_seconds_count"),
+            "joint": _value(decode, joint) if joint in decode else 0.0,
+            "boundary_bytes": _value(decode, boundary) if boundary in decode else 0.0,
+            "invalid": _value(decode, invalid) if invalid in decode else 0.0,
+            "prefill": _value(prefill, "rekv_prefill_seconds_count"),
+            "sent_prefix": _value(prefill, 'rekv_sent_bytes_total{kind="prefix"}')
+            if 'rekv_sent_bytes_total{kind="prefix"}' in prefill else 0.0,
+            "link": _value(decode, "rekv_link_bandwidth_estimate_gbps")}
+
+
+def test_metrics_count_every_request(services, tokenizer):
+    """Two requests and one refused: the histograms and counters move by exactly that much,
+    whatever ran before."""
+    pair, channel = services
+    before = _counts(pair)
+    joint = _run(services, "counted-joint", PROMPTS[2], 3, ("int8", 15))
+    _run(services, "counted-bf16", PROMPTS[0], 2, ("bf16", 30))
+    with pytest.raises(grpc.RpcError):
+        generate(channel, "counted-bad", "Hello", 0)
+    after = _counts(pair)
+    delta = {key: after[key] - before[key] for key in before}
+    assert delta["request"] == delta["ttft"] == delta["decode_handoff"] == 2
+    assert delta["prefill"] == 2 and delta["joint"] == 1 and delta["invalid"] == 1
+    assert delta["boundary_bytes"] == joint.summary.bytes.boundary
+    assert delta["sent_prefix"] > 0 and after["link"] > 0
 
 
 def test_unreachable_prefill_falls_back_to_local_recompute(tmp_path, reference):
     """No prefill service at the configured address: the request still completes, from a cache
     the decode worker computed itself, and says so."""
-    from services.launcher import ServiceProcess
+    from rekv_cli.launcher import ServiceProcess
 
     decode = ServiceProcess("decode", ["--prefill-address", "127.0.0.1:1", "--dtype",
                                        "bfloat16", "--torch-threads",

@@ -14,7 +14,9 @@ schedule. Total = from starting the sender to the receiver's return with the com
 first-token logits. Each (action, schedule, S, link) point has `warmups` untimed and `runs` timed
 runs; reported: medians of Q, H, X, R, J and total, the total's 95% bootstrap interval, speedup over
 full BF16 transfer at the same point, and the cost model Q + H + max(X, R) + J (eq. 9; eq. 8 adds
-X and R for the sequential schedule) computed from the same run's measured parts.
+X and R for the sequential schedule) computed from the same run's measured parts. Each sample also
+keeps when its run started (`samples_started_s`, this process's perf_counter), so two equal
+samples can be told apart from one sample written twice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
 from rekv_core.handoff import Action, receive_handoff, send_handoff
-from rekv_core.handoff.action import wire_bytes
+from rekv_core.handoff.action import WireBytes, wire_bytes
 from rekv_core.model.executor import Model, PrefillOutput, embed, prefill, run_layers
 from rekv_core.timing import median_seconds
 from rekv_core.transport.inprocess import InProcessLink
@@ -116,9 +118,28 @@ def time_compute_all(model: Model, ids: Sequence[int], repeats: int = 3) -> floa
     return median_seconds(lambda: run_layers(model, h0, start=0), repeats, model.device)
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One timed handoff: the seed's parts and the total, in seconds."""
+
+    Q: float
+    H: float
+    X: float
+    R: float
+    J: float
+    total: float
+    bytes: WireBytes  # received
+    started: float  # perf_counter seconds at the sender's start: tells samples of runs apart
+
+    def modelled(self, schedule: str) -> float:
+        """The cost model on this run's own parts: eq. 9 overlapped, eq. 8 sequential."""
+        overlap = max(self.X, self.R) if schedule == "overlap" else self.X + self.R
+        return self.Q + self.H + overlap + self.J
+
+
 def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
-             state: PrefillOutput) -> dict[str, float]:
-    """One handoff; returns seconds by part plus `total`, and the received bytes."""
+             state: PrefillOutput) -> Sample:
+    """One handoff, timed from starting the sender to the complete cache."""
     request_id = uuid.uuid4().hex
     link.receiver.open(request_id)
     outcome: dict = {}
@@ -140,25 +161,18 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
     total = time.perf_counter() - start
     if "error" in outcome:
         raise outcome["error"]
-    timings = dict(result.timings)
-    timings["Q"] = outcome["sender"].quantize_seconds
-    timings["total"] = total
-    timings["bytes"] = result.bytes
-    return timings
-
-
-def _modelled(t: dict[str, float], schedule: str) -> float:
-    overlap = max(t["X"], t["R"]) if schedule == "overlap" else t["X"] + t["R"]
-    return t["Q"] + t["H"] + overlap + t["J"]
+    t = result.timings
+    return Sample(outcome["sender"].quantize_seconds, t.h_s, t.x_s, t.r_s, t.j_s, total,
+                  result.bytes, start)
 
 
 def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
-              samples: list[dict]) -> dict:
+              samples: list[Sample]) -> dict:
     action = case.action
-    totals = [s["total"] * 1e3 for s in samples]
+    totals = [s.total * 1e3 for s in samples]
     median, (low, high) = median_ci(totals)
-    modelled = statistics.median(_modelled(s, case.schedule) * 1e3 for s in samples)
-    received = samples[0]["bytes"]
+    modelled = statistics.median(s.modelled(case.schedule) * 1e3 for s in samples)
+    received = samples[0].bytes
     expected = wire_bytes(action, shape, prompt_len)
     if received != expected:
         raise AssertionError(f"{action}: received {received}, byte model says {expected}")
@@ -167,10 +181,10 @@ def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
            "link": link.label, "link_gbps": round(gbps, 6), "bytes": received.total,
            "bytes_by_kind": received.as_dict(), "runs": len(samples)}
     for part in PARTS:
-        row[f"{part}_ms"] = statistics.median(s[part] * 1e3 for s in samples)
+        row[f"{part}_ms"] = statistics.median(getattr(s, part) * 1e3 for s in samples)
     row.update({"median_ms": median, "ci95_ms": [low, high], "model_ms": modelled,
                 "measured_over_model": median / modelled if modelled else None,
-                "samples_ms": totals})
+                "samples_ms": totals, "samples_started_s": [s.started for s in samples]})
     return row
 
 

@@ -5,9 +5,11 @@ from rekv_core.codecs.base import (Codec, CorruptPayloadError, EncodedKV, codec_
 from rekv_core.codecs.bf16 import BF16Codec
 from rekv_core.codecs.groupwise import GroupwiseIntCodec
 
-register_codec("bf16", BF16Codec)
+BASELINE_CODEC = "bf16"  # lossless for BF16 caches; every worker accepts it
+
+register_codec(BASELINE_CODEC, BF16Codec)
 register_codec("int8", lambda: GroupwiseIntCodec(8))
 register_codec("int4", lambda: GroupwiseIntCodec(4))
 
-__all__ = ["BF16Codec", "Codec", "CorruptPayloadError", "EncodedKV", "GroupwiseIntCodec",
+__all__ = ["BASELINE_CODEC", "BF16Codec", "Codec", "CorruptPayloadError", "EncodedKV", "GroupwiseIntCodec",
            "codec_names", "get_codec", "register_codec"]

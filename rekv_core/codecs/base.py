@@ -93,7 +93,8 @@ def check_kv_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
 
 class Codec(ABC):
     name: str = ""
-    lossless: bool = False
+    lossless: bool = False  # decode(encode(x)) == x for caches of the working dtype: always eligible
+    restore_is_copy: bool = False  # decode is a dtype view and a copy, no arithmetic
 
     @abstractmethod
     def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:

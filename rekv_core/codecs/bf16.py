@@ -6,14 +6,16 @@ from __future__ import annotations
 import torch
 
 from rekv_core.codecs.base import Codec
+from rekv_core.units import BF16_BYTES
 
 
 class BF16Codec(Codec):
     name = "bf16"
     lossless = True
+    restore_is_copy = True
 
     def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
-        n = shape[0] * shape[1] * shape[2] * 2
+        n = shape[0] * shape[1] * shape[2] * BF16_BYTES
         return {"k": n, "v": n}
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:

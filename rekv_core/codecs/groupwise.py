@@ -11,6 +11,7 @@ import torch
 
 from rekv_core.codecs.base import Codec
 from rekv_core.kernels import GROUP_SIZE, dequantize_groupwise, quantize_groupwise
+from rekv_core.units import BF16_BYTES
 
 
 class GroupwiseIntCodec(Codec):
@@ -27,7 +28,7 @@ class GroupwiseIntCodec(Codec):
 
     def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
         numel = shape[0] * shape[1] * shape[2]
-        codes, scales = numel * self.bits // 8, numel // GROUP_SIZE * 2
+        codes, scales = numel * self.bits // 8, numel // GROUP_SIZE * BF16_BYTES  # FP16 scales
         return {"k.codes": codes, "k.scales": scales, "v.codes": codes, "v.scales": scales}
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:

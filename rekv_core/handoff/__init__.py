@@ -2,8 +2,8 @@
 receiver schedules (overlapped and sequential)."""
 
 from rekv_core.handoff.action import Action, ActionKind, WireBytes, wire_bytes
-from rekv_core.handoff.receiver import HandoffResult, receive_handoff
+from rekv_core.handoff.receiver import HandoffResult, HandoffTimings, receive_handoff
 from rekv_core.handoff.sender import SenderReport, send_handoff
 
-__all__ = ["Action", "ActionKind", "HandoffResult", "SenderReport", "WireBytes",
+__all__ = ["Action", "ActionKind", "HandoffResult", "HandoffTimings", "SenderReport", "WireBytes",
            "receive_handoff", "send_handoff", "wire_bytes"]

@@ -23,11 +23,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import BASELINE_CODEC, get_codec
 from rekv_core.model.shapes import ModelShape
-
-TOKEN_BYTES = 4  # token ids travel as int32
-BOUNDARY_ELEM_BYTES = 2  # h_c travels as BF16
+from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
 
 class ActionKind(str, enum.Enum):
@@ -40,7 +38,7 @@ class ActionKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Action:
-    codec: str  # the prefix codec b; ignored (and "bf16" by convention) when cut == 0
+    codec: str  # the prefix codec b; ignored (BASELINE_CODEC by convention) when cut == 0
     cut: int  # c, the first recomputed layer
     num_layers: int  # L
 
@@ -51,20 +49,26 @@ class Action:
 
     @classmethod
     def full_bf16(cls, num_layers: int) -> Action:
-        return cls("bf16", num_layers, num_layers)
+        return cls(BASELINE_CODEC, num_layers, num_layers)
 
     @classmethod
     def token_only(cls, num_layers: int) -> Action:
-        return cls("bf16", 0, num_layers)
+        return cls(BASELINE_CODEC, 0, num_layers)
 
     @property
     def kind(self) -> ActionKind:
         if self.cut == 0:
             return ActionKind.TOKEN_RECOMPUTE
-        bf16 = self.codec == "bf16"
+        lossless = get_codec(self.codec).lossless
         if self.cut == self.num_layers:
-            return ActionKind.BF16_TRANSFER if bf16 else ActionKind.QUANT_TRANSFER
-        return ActionKind.BF16_RECOMPUTE if bf16 else ActionKind.JOINT
+            return ActionKind.BF16_TRANSFER if lossless else ActionKind.QUANT_TRANSFER
+        return ActionKind.BF16_RECOMPUTE if lossless else ActionKind.JOINT
+
+    @property
+    def lossless(self) -> bool:
+        """The decode side ends with exactly the prefill's cache: token-only, or a lossless
+        codec. Such actions need no quality gate."""
+        return self.cut == 0 or get_codec(self.codec).lossless
 
     @property
     def sends_boundary(self) -> bool:
@@ -126,11 +130,11 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
         raise ValueError(f"action: built for {action.num_layers} layers, model {shape.name} has "
                          f"{shape.num_layers}")
     if action.cut == 0:
-        return WireBytes(tokens=seq_len * TOKEN_BYTES)
+        return WireBytes(tokens=seq_len * TOKEN_ID_BYTES)
     per_layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, seq_len, shape.head_dim))
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:
-        total += WireBytes(boundary=shape.boundary_bytes(seq_len, BOUNDARY_ELEM_BYTES))
+        total += WireBytes(boundary=shape.boundary_bytes(seq_len, BF16_BYTES))
     else:
-        total += WireBytes(head=shape.hidden_size * BOUNDARY_ELEM_BYTES)
+        total += WireBytes(head=shape.hidden_size * BF16_BYTES)
     return total

@@ -11,13 +11,12 @@ opened request and always ends it: `close` after success, `abort` after any fail
 
 Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
 `head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
-returned. The result carries the timing breakdown (seconds; H: until the boundary or first layer is
-in, X: prefix transfer and restore, R: suffix, J: join, total), the bytes received by kind, and
-`link_sample`: (bytes, seconds) of the link from the messages that landed before this worker began
-computing (`transport.arrivals`): before the suffix or the first dequantization, whichever came
-first (restoring a BF16 layer is a copy and does not count), or None where the transport does not
-time its messages or they said nothing reliable. A computing worker delays its receiving thread, so
-later arrivals time the machine, not the wire.
+returned. The result carries the timing breakdown (`HandoffTimings`), the bytes received by kind,
+and `link_sample`: (bytes, seconds) of the link from the messages that landed before this worker
+began computing (`transport.arrivals`): before the suffix or the first decode that computes,
+whichever came first (restoring a BF16 layer is a copy and does not count), or None where the
+transport does not time its messages or they said nothing reliable. A computing worker delays its
+receiving thread, so later arrivals time the machine, not the wire.
 """
 
 from __future__ import annotations
@@ -34,10 +33,22 @@ from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers
-from rekv_core.transport import TransportError, TransportReceiver
-from rekv_core.transport.arrivals import link_sample
+from rekv_core.transport import Message, TransportError, TransportReceiver
+from rekv_core.transport.arrivals import Arrival, link_sample
+from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
 SCHEDULES = ("overlap", "sequential")
+
+
+@dataclass(frozen=True)
+class HandoffTimings:
+    """The seed's parts of one handoff, in seconds from the call to `receive_handoff`."""
+
+    h_s: float = 0.0  # H: until the boundary (or, for transfer-only, nothing) is in
+    x_s: float = 0.0  # X: prefix transfer and restore, from then on
+    r_s: float = 0.0  # R: suffix recompute (token-only: the whole prefill)
+    j_s: float = 0.0  # J: from the later branch's end to the complete cache
+    total_s: float = 0.0
 
 
 @dataclass
@@ -45,9 +56,9 @@ class HandoffResult:
     action: Action
     cache: KVCache
     logits: torch.Tensor  # [vocab], float32: the first generated token's distribution
-    timings: dict[str, float] = field(default_factory=dict)  # H, X, R, J, total (seconds)
+    timings: HandoffTimings = field(default_factory=HandoffTimings)
     bytes: WireBytes = field(default_factory=WireBytes)
-    link_sample: tuple[int, float] | None = None
+    link_sample: tuple[int, float] | None = None  # (bytes, seconds)
 
 
 class _Inbound:
@@ -55,9 +66,9 @@ class _Inbound:
 
     def __init__(self, transport: TransportReceiver, request_id: str, timeout: float):
         self.transport, self.request_id, self.timeout = transport, request_id, timeout
-        self.arrivals = []
+        self.arrivals: list[Arrival] = []
 
-    def expect(self, name: str):
+    def expect(self, name: str) -> Message:
         message = self.transport.recv(self.request_id, self.timeout)
         if message.name != name:
             raise TransportError(f"request {self.request_id}: expected {name!r}, "
@@ -71,9 +82,9 @@ class _Inbound:
         return link_sample([a for a in self.arrivals if before is None or a.completed <= before])
 
 
-def _bf16_tensor(message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
+def _bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
     buf = message.buffers.get("h")
-    expected = int(torch.Size(shape).numel()) * 2
+    expected = int(torch.Size(shape).numel()) * BF16_BYTES
     if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
         got = None if buf is None else buf.numel()
         raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
@@ -95,8 +106,8 @@ def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
         cache = None if prompt_len is None else _empty_cache(model, prompt_len + extra_capacity)
-        result = _receive(model, transport, request_id, schedule, timeout, extra_capacity, start,
-                          cache)
+        inbound = _Inbound(transport, request_id, timeout)
+        result = _receive(model, inbound, schedule, extra_capacity, start, cache)
     except BaseException:
         transport.abort(request_id)
         raise
@@ -110,114 +121,142 @@ def _empty_cache(model: Model, capacity: int) -> KVCache:
                    model.device)
 
 
-def _receive(model, transport, request_id, schedule, timeout, extra_capacity, start, cache):
-    shape = model.shape
-    inbound = _Inbound(transport, request_id, timeout)
+def _receive(model: Model, inbound: _Inbound, schedule: str, extra_capacity: int, start: float,
+             cache: KVCache | None) -> HandoffResult:
     plan = Plan.from_bytes(inbound.expect(PLAN).header)
-    plan.check_model(shape)
-    action = plan.action
+    plan.check_model(model.shape)
     S = plan.seq_len
-    received = WireBytes()
     if cache is None:
         cache = _empty_cache(model, S + extra_capacity)
     elif cache.capacity != S + extra_capacity:
         raise TransportError(f"plan: a prompt of {S} tokens, expected "
                              f"{cache.capacity - extra_capacity}")
+    if plan.action.cut == 0:
+        return _recompute_prompt(model, inbound, plan.action, S, cache, start)
+    return _restore_and_recompute(model, inbound, schedule, plan.action, S, cache, start)
 
-    if action.cut == 0:
-        message = inbound.expect(TOKENS)
-        ids = message.buffers["ids"].view(torch.int32).tolist()
-        if len(ids) != S:
-            raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
-        h_time = time.perf_counter()
-        out = prefill(model, ids, boundaries=())
-        cache.load(out.keys, out.values)
-        done = time.perf_counter()
-        return HandoffResult(action, cache, out.logits,
-                             {"H": h_time - start, "X": 0.0, "R": done - h_time, "J": 0.0,
-                              "total": done - start}, WireBytes(tokens=S * 4))
 
+def _recompute_prompt(model: Model, inbound: _Inbound, action: Action, S: int, cache: KVCache,
+                      start: float) -> HandoffResult:
+    """Token-only: the prompt's ids arrive, this worker runs every layer."""
+    ids = inbound.expect(TOKENS).buffers["ids"].view(torch.int32).tolist()
+    if len(ids) != S:
+        raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
+    began = time.perf_counter()
+    out = prefill(model, ids, boundaries=())
+    cache.load(out.keys, out.values)
+    done = time.perf_counter()
+    timings = HandoffTimings(h_s=began - start, r_s=done - began, total_s=done - start)
+    return HandoffResult(action, cache, out.logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
+
+
+class _PrefixBranch:
+    """Receives layers 0..c−1 and restores them into the cache; on CUDA, on its own stream.
+
+    `run()` never raises: the failure is kept in `error` for the calling thread to re-raise."""
+
+    def __init__(self, model: Model, inbound: _Inbound, action: Action, S: int, cache: KVCache,
+                 started: float):
+        self.model, self.inbound, self.action, self.cache = model, inbound, action, cache
+        self.kv_shape = (model.shape.num_kv_heads, S, model.shape.head_dim)
+        self.bytes = WireBytes()
+        self.error: BaseException | None = None
+        self.done = started
+        self.decoding_began: float | None = None  # the first restore that computes
+        self.cuda = model.device.type == "cuda"
+        self.stream = torch.cuda.Stream(model.device) if self.cuda else None
+        self.ready = torch.cuda.Event() if self.cuda else None
+
+    def run(self) -> None:
+        try:
+            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+                self._receive_layers()
+                if self.cuda:
+                    self.ready.record(self.stream)
+                    self.stream.synchronize()
+        except BaseException as exc:  # re-raised on the calling thread after the join
+            self.error = exc
+        self.done = time.perf_counter()
+
+    def _receive_layers(self) -> None:
+        codec = get_codec(self.action.codec)
+        for index in self.action.prefix_layers:
+            message = self.inbound.expect(layer_name(index))
+            encoded = EncodedKV.from_wire(message.header,
+                                          _on_device(message.buffers, self.model.device))
+            if tuple(encoded.shape) != self.kv_shape:
+                raise TransportError(f"{message.name}: shape {encoded.shape}, "
+                                     f"expected {self.kv_shape}")
+            if self.decoding_began is None and not codec.restore_is_copy:
+                self.decoding_began = time.perf_counter()
+            k, v = codec.decode(encoded)
+            self.cache.write(index, 0, k.to(self.model.dtype), v.to(self.model.dtype))
+            self.bytes += split_layer_bytes(encoded.header()["buffers"])
+
+    def join_compute_stream(self) -> None:
+        """On CUDA: the compute stream waits for every restore before the cache is used."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.model.device)
+            stream.wait_event(self.ready)
+            stream.synchronize()
+
+
+@dataclass(frozen=True)
+class _Suffix:
+    logits: torch.Tensor
+    began: float
+    ended: float
+
+
+def _run_suffix(model: Model, h_c: torch.Tensor, cut: int, cache: KVCache) -> _Suffix:
+    began = time.perf_counter()
+    suffix = run_layers(model, h_c, start=cut)
+    for offset, (k, v) in enumerate(zip(suffix.keys, suffix.values)):
+        cache.write(cut + offset, 0, k, v)
+    if model.device.type == "cuda":
+        torch.cuda.current_stream(model.device).synchronize()
+    return _Suffix(suffix.logits, began, time.perf_counter())
+
+
+def _restore_and_recompute(model: Model, inbound: _Inbound, schedule: str, action: Action,
+                           S: int, cache: KVCache, start: float) -> HandoffResult:
+    """A cut c ≥ 1: the boundary (unless c = L), then the prefix beside the suffix."""
+    shape = model.shape
+    received = WireBytes()
     h_c = None
     if action.sends_boundary:
-        h_c = _bf16_tensor(inbound.expect(BOUNDARY),
-                           (S, shape.hidden_size), model)
-        received += WireBytes(boundary=S * shape.hidden_size * 2)
+        h_c = _bf16_tensor(inbound.expect(BOUNDARY), (S, shape.hidden_size), model)
+        received += WireBytes(boundary=S * shape.hidden_size * BF16_BYTES)
     boundary_at = time.perf_counter()
-    codec = get_codec(action.codec)
-    kv_shape = (shape.num_kv_heads, S, shape.head_dim)
-    prefix = {"bytes": WireBytes(), "error": None, "done": boundary_at, "decoding": None}
-    cuda = model.device.type == "cuda"
-    side_stream = torch.cuda.Stream(model.device) if cuda else None
-    prefix_ready = torch.cuda.Event() if cuda else None
-
-    def receive_prefix() -> None:
-        try:
-            with torch.cuda.stream(side_stream) if cuda else contextlib.nullcontext():
-                _receive_prefix_layers()
-                if cuda:
-                    prefix_ready.record(side_stream)
-                    side_stream.synchronize()
-        except BaseException as exc:  # re-raised on the calling thread after the join
-            prefix["error"] = exc
-        prefix["done"] = time.perf_counter()
-
-    def _receive_prefix_layers() -> None:
-        for index in action.prefix_layers:
-            message = inbound.expect(layer_name(index))
-            encoded = EncodedKV.from_wire(message.header,
-                                          _on_device(message.buffers, model.device))
-            if tuple(encoded.shape) != kv_shape:
-                raise TransportError(f"{message.name}: shape {encoded.shape}, "
-                                     f"expected {kv_shape}")
-            if prefix["decoding"] is None and action.codec != "bf16":
-                prefix["decoding"] = time.perf_counter()
-            k, v = codec.decode(encoded)
-            cache.write(index, 0, k.to(model.dtype), v.to(model.dtype))
-            prefix["bytes"] += split_layer_bytes(encoded.header()["buffers"])
-
-    def run_suffix():
-        began = time.perf_counter()
-        suffix = run_layers(model, h_c, start=action.cut)
-        for offset, (k, v) in enumerate(zip(suffix.keys, suffix.values)):
-            cache.write(action.cut + offset, 0, k, v)
-        if cuda:
-            torch.cuda.current_stream(model.device).synchronize()
-        return suffix.logits, began, time.perf_counter()
-
+    prefix = _PrefixBranch(model, inbound, action, S, cache, boundary_at)
+    suffix = None
     if h_c is None:  # transfer-only: nothing to recompute
-        receive_prefix()
-        suffix_result = None
+        prefix.run()
     elif schedule == "overlap":
-        worker = threading.Thread(target=receive_prefix, name=f"rekv-prefix-{request_id}")
+        worker = threading.Thread(target=prefix.run, name=f"rekv-prefix-{inbound.request_id}")
         worker.start()
         try:
-            suffix_result = run_suffix()
+            suffix = _run_suffix(model, h_c, action.cut, cache)
         finally:
             worker.join()
     else:
-        receive_prefix()
-        suffix_result = run_suffix() if prefix["error"] is None else None
-    if prefix["error"] is not None:
-        raise prefix["error"]
+        prefix.run()
+        suffix = _run_suffix(model, h_c, action.cut, cache) if prefix.error is None else None
+    if prefix.error is not None:
+        raise prefix.error
 
-    join_start = max(prefix["done"], suffix_result[2] if suffix_result else 0.0)
-    if suffix_result is None:
-        head = _bf16_tensor(inbound.expect(HEAD),
-                            (shape.hidden_size,), model)
-        received += WireBytes(head=shape.hidden_size * 2)
-        logits = final_logits(model, head)
-        r_seconds = 0.0
-        computing = prefix["decoding"]
+    join_start = max(prefix.done, suffix.ended if suffix else 0.0)
+    if suffix is None:
+        head = _bf16_tensor(inbound.expect(HEAD), (shape.hidden_size,), model)
+        received += WireBytes(head=shape.hidden_size * BF16_BYTES)
+        logits, r_seconds, computing = final_logits(model, head), 0.0, prefix.decoding_began
     else:
-        logits, began, ended = suffix_result
-        r_seconds = ended - began
-        computing = min(began, prefix["decoding"] or began)
+        logits, r_seconds = suffix.logits, suffix.ended - suffix.began
+        computing = min(suffix.began, prefix.decoding_began or suffix.began)
     cache.length = S
-    if cuda:
-        torch.cuda.current_stream(model.device).wait_event(prefix_ready)
-        torch.cuda.current_stream(model.device).synchronize()
+    prefix.join_compute_stream()
     done = time.perf_counter()
-    timings = {"H": boundary_at - start, "X": prefix["done"] - boundary_at, "R": r_seconds,
-               "J": done - join_start, "total": done - start}
-    return HandoffResult(action, cache, logits, timings, received + prefix["bytes"],
+    timings = HandoffTimings(h_s=boundary_at - start, x_s=prefix.done - boundary_at, r_s=r_seconds,
+                             j_s=done - join_start, total_s=done - start)
+    return HandoffResult(action, cache, logits, timings, received + prefix.bytes,
                          inbound.link_sample(before=computing))

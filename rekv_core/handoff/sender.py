@@ -23,6 +23,7 @@ from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_nam
 from rekv_core.model.executor import PrefillOutput
 from rekv_core.model.shapes import ModelShape
 from rekv_core.transport import Message, TransportSender
+from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
 
 @dataclass
@@ -47,11 +48,11 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
     if action.cut == 0:
         ids = torch.tensor(list(token_ids), dtype=torch.int32)
         send(TOKENS, buffers={"ids": tensor_bytes(ids)})
-        sent += WireBytes(tokens=ids.numel() * 4)
+        sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary:
         h_c = state.hidden[action.cut].to(torch.bfloat16)
         send(BOUNDARY, buffers={"h": tensor_bytes(h_c)})
-        sent += WireBytes(boundary=h_c.numel() * 2)
+        sent += WireBytes(boundary=h_c.numel() * BF16_BYTES)
 
     codec = get_codec(action.codec)
     quantize = 0.0
@@ -65,6 +66,6 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
     if action.cut == action.num_layers:
         head = state.hidden[action.num_layers][-1].to(torch.bfloat16)
         send(HEAD, buffers={"h": tensor_bytes(head)})
-        sent += WireBytes(head=head.numel() * 2)
+        sent += WireBytes(head=head.numel() * BF16_BYTES)
     transport.flush(request_id, flush_timeout)
     return SenderReport(quantize_seconds=quantize, bytes=sent)

@@ -117,10 +117,11 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
     return q, k, v
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    # q: [n_h, Sq, d_h]; k, v: [n_kv, Sk, d_h] -> [Sq, n_h*d_h]
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=causal,
-                                         enable_gqa=True)[0]
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    # q: [n_h, Sq, d_h]; k, v: [n_kv, Sk, d_h]; mask: [Sq, Sk] (True: attend) -> [Sq, n_h*d_h]
+    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
+                                         is_causal=is_causal, enable_gqa=True)[0]
     return out.transpose(0, 1).reshape(q.shape[1], -1)
 
 
@@ -128,11 +129,26 @@ def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
 
 
-def _layer(model: Model, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The one transformer layer body: attention, then MLP, each around a residual.
+
+    h `[n, d]` holds positions [start, start + n). Without a cache the n positions attend to each
+    other causally (prefill, suffix recompute). With one, K and V are written at `start` and the
+    positions attend to the cache's first start + n: through `mask` `[n, start + n]` (True:
+    attend), or to all of them when it is None (one new token). Returns h_out, K, V `[n_kv, n,
+    d_h]`."""
+    lw = model.weights.layers[index]
     eps = model.shape.rms_eps
     q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
-    h = h + F.linear(_attend(q, k, v, causal=True), lw.wo)
+    if cache is None:
+        out = _attend(q, k, v, is_causal=True)
+    else:
+        cache.write(index, start, k, v)
+        k_all, v_all = cache.layer(index, start + h.shape[0])
+        out = _attend(q, k_all, v_all, mask=mask)
+    h = h + F.linear(out, lw.wo)
     h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
     return h, k, v
 
@@ -156,7 +172,7 @@ def iter_layers(model: Model, h: torch.Tensor, start: int = 0, stop: int | None 
         positions = torch.arange(h.shape[0], device=h.device)
     cos, sin = model.rope(positions)
     for index in range(start, stop):
-        h_out, k, v = _layer(model, model.weights.layers[index], h, cos, sin)
+        h_out, k, v = _layer(model, index, h, cos, sin)
         yield LayerStep(index=index, hidden_in=h, keys=k, values=v, hidden_out=h_out)
         h = h_out
 
@@ -227,23 +243,24 @@ def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
     return SuffixOutput(start=start, keys=keys, values=values, logits=final_logits(model, h[-1]))
 
 
-@torch.inference_mode()
-def decode_step(model: Model, token_id: int, cache: KVCache) -> torch.Tensor:
-    """Append one token at position `cache.length`; return its logits `[vocab]`."""
-    shape = model.shape
-    pos = cache.length
-    if pos >= cache.capacity:
-        raise ValueError(f"cache: full at {cache.capacity} positions")
-    h = embed(model, [token_id])  # [1, d]
-    cos, sin = model.rope(torch.tensor([pos], device=model.device))
-    for index, lw in enumerate(model.weights.layers):
-        q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, shape.rms_eps), cos, sin)
-        cache.write(index, pos, k, v)
-        k_all, v_all = cache.layer(index, pos + 1)
-        h = h + F.linear(_attend(q, k_all, v_all, causal=False), lw.wo)
-        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, shape.rms_eps))
-    cache.length = pos + 1
-    return final_logits(model, h[-1])
+def _append(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCache
+            ) -> torch.Tensor:
+    """Run `token_ids` through every layer at positions `cache.length`…, appending their K and V;
+    returns the final residual states `[n, d]`."""
+    ids = validate_token_ids(token_ids, model.shape.vocab_size)
+    n, pos = ids.numel(), cache.length
+    if pos + n > cache.capacity:
+        raise ValueError(f"cache: {n} token(s) at position {pos} exceed its capacity of "
+                         f"{cache.capacity}")
+    h = embed(model, ids)
+    cos, sin = model.rope(torch.arange(pos, pos + n, device=model.device))
+    # one token attends to the whole cache; several attend causally among themselves
+    mask = None if n == 1 else (torch.arange(pos + n, device=model.device)[None, :]
+                                <= torch.arange(pos, pos + n, device=model.device)[:, None])
+    for index in range(model.shape.num_layers):
+        h, _, _ = _layer(model, index, h, cos, sin, cache, pos, mask)
+    cache.length = pos + n
+    return h
 
 
 @torch.inference_mode()
@@ -251,25 +268,13 @@ def extend(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCache
     """Append `token_ids` at positions `cache.length`… in one pass (each attends to the cache and to
     the new tokens before it); return the logits after every one of them, `[n, vocab]` float32.
     Teacher-forced scoring of a continuation from a cache the handoff built."""
-    shape = model.shape
-    ids = validate_token_ids(token_ids, shape.vocab_size)
-    n, pos = ids.numel(), cache.length
-    if pos + n > cache.capacity:
-        raise ValueError(f"cache: {n} tokens at position {pos} exceed capacity {cache.capacity}")
-    h = embed(model, ids)
-    cos, sin = model.rope(torch.arange(pos, pos + n, device=model.device))
-    allowed = (torch.arange(pos + n, device=model.device)[None, :]
-               <= torch.arange(pos, pos + n, device=model.device)[:, None])
-    for index, lw in enumerate(model.weights.layers):
-        q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, shape.rms_eps), cos, sin)
-        cache.write(index, pos, k, v)
-        k_all, v_all = cache.layer(index, pos + n)
-        out = F.scaled_dot_product_attention(q[None], k_all[None], v_all[None],
-                                             attn_mask=allowed, enable_gqa=True)[0]
-        h = h + F.linear(out.transpose(0, 1).reshape(n, -1), lw.wo)
-        h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, shape.rms_eps))
-    cache.length = pos + n
-    return final_logits(model, h)
+    return final_logits(model, _append(model, token_ids, cache))
+
+
+@torch.inference_mode()
+def decode_step(model: Model, token_id: int, cache: KVCache) -> torch.Tensor:
+    """`extend` by one token: append it at position `cache.length`; return its logits `[vocab]`."""
+    return final_logits(model, _append(model, [token_id], cache)[-1])
 
 
 def greedy_generate(model: Model, token_ids: Sequence[int], max_new_tokens: int,

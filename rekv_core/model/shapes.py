@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from rekv_core.units import BF16_BYTES
+
 FAMILIES = ("llama", "qwen2", "qwen3")
 
 
@@ -74,11 +76,11 @@ class ModelShape:
         """E = 2·S·n_kv·d_h: keys and values of one layer."""
         return 2 * seq_len * self.num_kv_heads * self.head_dim
 
-    def kv_layer_bytes(self, seq_len: int, elem_bytes: int = 2) -> int:
+    def kv_layer_bytes(self, seq_len: int, elem_bytes: int = BF16_BYTES) -> int:
         """Eq. (2): B_KV = 2·S·n_kv·d_h·e."""
         return self.kv_layer_elements(seq_len) * elem_bytes
 
-    def boundary_bytes(self, seq_len: int, elem_bytes: int = 2) -> int:
+    def boundary_bytes(self, seq_len: int, elem_bytes: int = BF16_BYTES) -> int:
         """Eq. (1): B_H = S·d·e, one hidden state at the cut."""
         return seq_len * self.hidden_size * elem_bytes
 

@@ -1,9 +1,10 @@
 """The tokenizer carried inside a GGUF file (GPT-2 style byte-level BPE), built with `tokenizers`.
 
-`GGUFTokenizer.from_gguf(path)` reads the vocabulary, merges, special-token ids and chat template from
-the file's `tokenizer.*` metadata. Control tokens (`<|im_start|>`, ...) encode as single ids. The
-pre-tokenizer follows llama.cpp's `pre` name: `smollm` splits digits one by one before the GPT-2
-byte-level regex; `gpt2`-style files use the byte-level regex alone.
+`GGUFTokenizer.from_gguf(path)` reads the vocabulary, merges, special-token ids and chat template
+from the file's `tokenizer.*` metadata; `load_tokenizer(source)` finds the one a model source
+carries. Control tokens (`<|im_start|>`, ...) encode as single ids. The pre-tokenizer follows
+llama.cpp's `pre` name: `smollm` splits digits one by one before the GPT-2 byte-level regex;
+`gpt2`-style files use the byte-level regex alone.
 """
 
 from __future__ import annotations
@@ -74,3 +75,20 @@ class GGUFTokenizer:
         template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True
                                                  ).from_string(self.chat_template)
         return template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+
+
+EMBEDDED_TOKENIZER = "embedded"  # the embedded model's tokenizer, whatever the weights
+
+
+def load_tokenizer(source: str) -> GGUFTokenizer | None:
+    """The tokenizer of a model source (see `weights.load_weights`), or of `embedded`: the
+    embedded model's for it and `embedded`, a GGUF file's own; None for synthetic weights and
+    checkpoint directories, which are served by token ids."""
+    from rekv_core.model.shapes import DEFAULT_MODEL
+    from rekv_core.model.weights import embedded_gguf_path
+
+    if source in (DEFAULT_MODEL, EMBEDDED_TOKENIZER):
+        return GGUFTokenizer.from_gguf(embedded_gguf_path())
+    if source.endswith(".gguf"):
+        return GGUFTokenizer.from_gguf(source)
+    return None

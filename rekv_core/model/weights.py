@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rekv_core.model.shapes import Llama3RopeScaling, ModelShape, PRESETS
+from rekv_core.model.shapes import DEFAULT_MODEL, PRESETS, Llama3RopeScaling, ModelShape
 
 
 @dataclass
@@ -317,7 +317,7 @@ def load_weights(source: str, dtype: torch.dtype = torch.float32,
     - `synthetic:<preset>`: random weights of that preset's shape (one shared layer by default);
     - a path ending in `.gguf`, or a Hugging Face checkpoint directory.
     """
-    if source == "smollm2-135m":
+    if source == DEFAULT_MODEL:
         return load_gguf(embedded_gguf_path(), dtype, device)
     if source.startswith(SYNTHETIC_PREFIX):
         preset = source[len(SYNTHETIC_PREFIX):]
@@ -325,7 +325,7 @@ def load_weights(source: str, dtype: torch.dtype = torch.float32,
             raise ValueError(f"unknown model preset {preset!r}; known presets: {', '.join(PRESETS)}")
         return synthetic_weights(PRESETS[preset], dtype, device, shared_layer=shared_layer)
     if source in PRESETS:
-        raise ValueError(f"model {source!r}: only smollm2-135m ships with weights; pass a "
+        raise ValueError(f"model {source!r}: only {DEFAULT_MODEL} ships with weights; pass a "
                          f"checkpoint directory, or {SYNTHETIC_PREFIX}{source} for random weights")
     path = Path(source)
     if path.suffix == ".gguf":

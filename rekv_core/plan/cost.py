@@ -8,7 +8,7 @@ link rate in bytes/s and `lat` its latency:
 - token-only (c = 0): T = lat + m + tokens/W + L·γ + J
 - otherwise, overlapped schedule (eq. 9): T = H + max(X, R) + J, where
     H = lat + m + B_H/W                  (boundary; transfer-only: the first layer's latency)
-    X = max(c·α_b, B_prefix/W) + α_b + restore(c layers) + c·m   (encoding overlaps the wire:
+    X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire:
                                           the sender encodes layer i+1 while layer i is on it)
     R = (L − c)·γ
   and transfer-only (c = L) adds the head's bytes and has R = 0.
@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 
 from rekv_core.handoff.action import Action, wire_bytes
 from rekv_core.model.shapes import ModelShape
-
-MiB = 1 << 20
+from rekv_core.units import MiB
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,8 @@ class CostInputs:
     link_gbps: float  # the link estimate
     suffix_ms_per_layer: float  # γ at this prompt length, now
     quantize_ms_per_mib: dict[str, float] = field(default_factory=dict)  # α per MiB of BF16 KV
-    restore_ms_per_mib: float = 0.0  # decoding received prefix, per MiB of BF16 KV
+    # decoding received prefix into the cache, per MiB of BF16 KV, by codec (absent: free)
+    restore_ms_per_mib: dict[str, float] = field(default_factory=dict)
     join_ms: float = 0.0
     link_latency_ms: float = 0.0
     message_ms: float = 0.0  # fixed cost of one data-plane message (round trip, probe, checks)
@@ -80,7 +80,7 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
         return Prediction(action, h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms, wire.total)
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
-    restore = inputs.restore_ms_per_mib * bf16_layer_mib * c
+    restore = inputs.restore_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib * c
     h = inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
          + c * m)

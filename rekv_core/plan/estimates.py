@@ -16,6 +16,8 @@ import statistics
 import threading
 from collections.abc import Sequence
 
+from rekv_core.units import MiB
+
 
 class Ewma:
     def __init__(self, prior: float, weight: float = 0.3):
@@ -35,7 +37,7 @@ class Ewma:
 
 
 class LinkEstimate:
-    def __init__(self, prior_gbps: float, min_bytes: int = 1 << 20, window: int = 8):
+    def __init__(self, prior_gbps: float, min_bytes: int = MiB, window: int = 8):
         if prior_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {prior_gbps}")
         self._prior = prior_gbps

@@ -14,8 +14,7 @@ from rekv_core.model.executor import Model, iter_layers
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.estimates import LayerCost
 from rekv_core.timing import median_seconds
-
-MiB = 1 << 20
+from rekv_core.units import MiB
 
 
 def _median_ms(fn, repeats: int, device: torch.device) -> float:

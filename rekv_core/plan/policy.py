@@ -9,8 +9,8 @@ JSON written by `rekv gate`, read by the planner and the services:
 
 A codec's eligible cuts are 1..max_cut (layers 0..c−1 travel in that codec; fewer quantized layers
 never add error, so a passing cut vouches for every smaller one); `max_cut: 0` means the codec is
-not eligible. Token-only (c = 0) and BF16 are lossless and always eligible. The embedded model's
-policy ships in `rekv_core/plan/policies/`.
+not eligible. Lossless actions (`Action.lossless`: token-only, BF16) are always eligible. The
+embedded model's policy ships in `rekv_core/plan/policies/`.
 """
 
 from __future__ import annotations
@@ -33,12 +33,7 @@ class Policy:
     meta: dict = field(default_factory=dict)
 
     def eligible(self, action: Action) -> bool:
-        if action.cut == 0 or action.codec == "bf16":
-            return True
-        return action.cut <= self.max_cut.get(action.codec, 0)
-
-    def codecs(self) -> list[str]:
-        return ["bf16", *(c for c, cut in self.max_cut.items() if cut > 0 and c != "bf16")]
+        return action.lossless or action.cut <= self.max_cut.get(action.codec, 0)
 
     def covers(self, prompt_len: int) -> bool:
         low, high = self.prompt_len_range

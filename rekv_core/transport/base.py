@@ -8,24 +8,36 @@ receiving transport that crosses a real wire stamps each message with its `arriv
 
 Which side calls what:
 
-- receiver (decode side): `open(request_id)` before the sender may send for that request; then
-  `recv(request_id, timeout)` returns that request's messages one by one in sequence order; then
-  `close(request_id)` when every message was received, or `abort(request_id)` when the request is
-  abandoned early (error, timeout, cancel), which also wakes a `recv` waiting on it and discards
-  whatever the sender still sends for it. Both free everything buffered for the request. Messages for a
-  request that is not open (never opened, or closed) are dropped and counted in `strays`; they can
-  never reach another request. A gap or a repeated sequence number raises `TransportError`; no
-  message within `timeout` seconds raises `TimeoutError`. `close()` may be called twice.
+- receiver (decode side), one per process, made by `factory.create_receiver`: its `address` is
+  what the sending side must be told. `open(request_id)` before the sender may send for that
+  request; then `recv(request_id, timeout)` returns that request's messages one by one in sequence
+  order; then `close(request_id)` when every message was received, or `abort(request_id)` when the
+  request is abandoned early (error, timeout, cancel), which also wakes a `recv` waiting on it and
+  discards whatever the sender still sends for it. Both free everything buffered for the request.
+  Messages for a request that is not open (never opened, or closed) are dropped and counted in
+  `strays`; they can never reach another request. A gap or a repeated sequence number raises
+  `TransportError`; no message within `timeout` seconds raises `TimeoutError`. `close()` may be
+  called twice. `shutdown()`, once the service stops, frees everything the receiver owns
+  (listener, connections, open requests); it may be called twice.
 - sender (prefill side): `send(message)` queues the message and returns at once; the caller must not
   modify its buffers until `flush(request_id)` has returned, which blocks until every message of
-  that request has left (raises `TimeoutError` past its timeout). `send` never blocks on the
-  receiver.
+  that request has left (raises `TimeoutError` past its timeout, `TransportError` when the messages
+  can no longer leave). `send` never blocks on the receiver. `shutdown()` frees the connection.
+- sender pool (prefill side), one per process, made by `factory.create_sender_pool`: `to(address)`
+  returns the sender to the receiver at `address`, made on first use and reused by every later
+  request (thread-safe); `shutdown()`, once the service stops, shuts every sender down, logging
+  those whose peer is already gone rather than stopping at them.
 
-`pending()` on either side reports what is still held (for leak checks: all zeros when idle).
+A receive's life cycle is the ordered `ReceiveState`: OPEN < DRAINING < CLOSED.
+
+`pending()` on each side reports what is still held (for leak checks: all zeros when idle).
 """
 
 from __future__ import annotations
 
+import enum
+import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -33,9 +45,24 @@ import torch
 
 from rekv_core.transport.arrivals import Arrival
 
+logger = logging.getLogger(__name__)
+
 
 class TransportError(RuntimeError):
     """A message stream that cannot be trusted (gap, duplicate, closed link)."""
+
+
+class ReceiveState(enum.IntEnum):
+    """Where one request stands on the receiving side; states only ever increase.
+
+    OPEN: opened and not yet ended; its messages are kept for `recv`.
+    DRAINING: aborted early; whatever the sender still sends for it is taken and discarded (as
+    strays), so the sender's pending sends complete.
+    CLOSED: ended; nothing more is taken for it."""
+
+    OPEN = 1
+    DRAINING = 2
+    CLOSED = 3
 
 
 @dataclass
@@ -66,8 +93,12 @@ class TransportSender(ABC):
     @abstractmethod
     def pending(self) -> dict[str, int]: ...
 
+    def shutdown(self) -> None:
+        """Free the connection; senders that hold none have nothing to do."""
+
 
 class TransportReceiver(ABC):
+    address: str  # where senders reach this receiver
     strays: int
 
     @abstractmethod
@@ -85,3 +116,45 @@ class TransportReceiver(ABC):
 
     @abstractmethod
     def pending(self) -> dict[str, int]: ...
+
+    def shutdown(self) -> None:
+        """Free everything the receiver owns; receivers that own nothing have nothing to do."""
+
+
+class SenderPool(ABC):
+    """One sender per receiver address, made by `_connect` on first use of `to` and reused.
+
+    Implementations provide `_connect(address)`; `to`, `pending` and `shutdown` are shared."""
+
+    def __init__(self):
+        self._senders: dict[str, TransportSender] = {}
+        self._lock = threading.Lock()
+        self._shut = False
+
+    @abstractmethod
+    def _connect(self, address: str) -> TransportSender:
+        """A new sender to `address` (called by `to`, under the pool's lock, once per address)."""
+
+    def to(self, address: str) -> TransportSender:
+        with self._lock:
+            if self._shut:
+                raise TransportError("sender pool: shut down")
+            sender = self._senders.get(address)
+            if sender is None:
+                sender = self._senders[address] = self._connect(address)
+            return sender
+
+    def pending(self) -> dict[str, int]:
+        with self._lock:
+            senders = list(self._senders.values())
+        return {"in_flight_messages": sum(s.pending()["in_flight_messages"] for s in senders)}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._shut = True
+            senders, self._senders = self._senders, {}
+        for address, sender in senders.items():
+            try:
+                sender.shutdown()
+            except Exception as exc:  # the peer may be gone already; the others still need it
+                logger.warning("sender to %s: shutdown failed: %s", address, exc)

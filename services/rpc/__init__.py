@@ -1,4 +1,4 @@
-"""Generated protobuf and gRPC modules of `proto/rekv/v1/rekv.proto` (`python -m services.generate_rpc`).
+"""Generated protobuf and gRPC modules of `proto/rekv/v1/rekv.proto` (`python -m rekv_cli.generate_rpc`).
 
 Import them as `from services.rpc import rekv_pb2, rekv_pb2_grpc`.
 """

@@ -152,13 +152,6 @@ class DecodeOffer(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
-    class MeasuredEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: MeasuredHandoffs
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[MeasuredHandoffs, _Mapping]] = ...) -> None: ...
     UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CODECS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_MS_PER_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -184,18 +177,20 @@ class DecodeOffer(_message.Message):
     measured_over_model: _containers.ScalarMap[str, float]
     link_gbps: float
     message_ms: float
-    measured: _containers.MessageMap[str, MeasuredHandoffs]
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Mapping[str, MeasuredHandoffs]] = ...) -> None: ...
+    measured: _containers.RepeatedCompositeFieldContainer[MeasuredHandoffs]
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
-    __slots__ = ("median_ms", "median_prompt_len", "count")
+    __slots__ = ("median_ms", "median_prompt_len", "count", "action")
     MEDIAN_MS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
     median_ms: float
     median_prompt_len: int
     count: int
-    def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+    action: Action
+    def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms")

@@ -20,12 +20,11 @@ import argparse
 import logging
 import sys
 
-from services.bench_command import add_bench_parser
-from services.cli_util import write_json
-from services.demo_command import add_demo_parser
-from services.plan_commands import add_plan_parsers
-
-MiB = 1 << 20
+from rekv_cli.bench import add_bench_parser
+from rekv_cli.demo import add_demo_parser
+from rekv_cli.plan import add_plan_parsers
+from rekv_cli.util import write_json
+from rekv_core.units import MiB
 
 
 def cmd_codecs(args: argparse.Namespace) -> int:

@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from services.cli_util import csv_of, write_json
+from rekv_cli.util import csv_of, write_json
+from rekv_core.model.shapes import DEFAULT_MODEL
 
 
 def _runtime_flags(parser) -> None:
@@ -57,7 +58,7 @@ def add_plan_parsers(sub) -> None:
     gate.set_defaults(func=cmd_gate)
 
     plan = sub.add_parser("plan", help="the action the planner would choose, and why")
-    plan.add_argument("--model", default="smollm2-135m", help="a preset name")
+    plan.add_argument("--model", default=DEFAULT_MODEL, help="a preset name")
     plan.add_argument("--prompt-len", type=int, required=True)
     plan.add_argument("--link-gbps", type=float, required=True)
     plan.add_argument("--profile", default=None, help="`rekv profile` output (default: the "
@@ -86,20 +87,17 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rekv_core.codecs import get_codec
-    from rekv_core.model.tokenizer import GGUFTokenizer
-    from rekv_core.model.weights import embedded_gguf_path
+    from rekv_core.model.tokenizer import load_tokenizer
     from rekv_core.plan.gate import GateConfig, run_gate
 
     for codec in args.codecs:
         get_codec(codec)
     text = Path(args.text).read_text(encoding="utf-8")
     model, settings = _load_model(args)
-    source = args.tokenizer or settings.model
-    if source not in ("smollm2-135m", "embedded") and not source.endswith(".gguf"):
+    tokenizer = load_tokenizer(args.tokenizer or settings.model)
+    if tokenizer is None:
         raise ValueError("tokenizer: the gate needs one; pass --tokenizer FILE.gguf or "
                          "--tokenizer embedded")
-    tokenizer = GGUFTokenizer.from_gguf(
-        embedded_gguf_path() if source in ("smollm2-135m", "embedded") else source)
     if tokenizer.vocab_size > model.shape.vocab_size:
         raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens exceed the model's "
                          f"vocabulary of {model.shape.vocab_size}")
@@ -157,8 +155,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
     inputs = CostInputs(shape, args.prompt_len, args.link_gbps,
                         profile.layer_cost.at(args.prompt_len) * max(1, args.load),
-                        profile.quantize_ms_per_mib,
-                        max(profile.restore_ms_per_mib.values(), default=0.0))
+                        profile.quantize_ms_per_mib, profile.restore_ms_per_mib)
     decision = Planner(policy).decide(inputs, args.codecs)
     if args.json:
         print(json.dumps(decision.as_dict()))

@@ -1,6 +1,6 @@
 """The router side of `rekv bench link`, run inside the decode side's namespace.
 
-    python -m rekv_core.bench.link_client --decode HOST:PORT --prompt-len S --actions JSON
+    python -m rekv_cli.linkbench.client --decode HOST:PORT --prompt-len S --actions JSON
         --warmups W --runs N --seed K --out FILE
 
 For each action in `--actions` (a JSON list of [codec, cut], or null for the planner's choice), in
@@ -18,7 +18,7 @@ import sys
 import grpc
 import torch
 
-from services.client import generate
+from rekv_cli.client import generate
 
 
 def main(argv: list[str] | None = None) -> int:

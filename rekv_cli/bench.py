@@ -1,11 +1,12 @@
-"""`rekv bench handoff`: the command-line face of `rekv_core.bench.handoff` (tables and JSON)."""
+"""`rekv bench handoff` and `rekv bench link`: their flags, tables and JSON (the runs themselves are
+`rekv_core.bench.handoff` and `rekv_cli.linkbench`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from services.cli_util import csv_of, write_json
+from rekv_cli.util import csv_of, write_json
 
 
 def add_bench_parser(sub) -> None:
@@ -161,7 +162,8 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rekv_core.bench.handoff import LinkRate
-    from rekv_core.bench.link import LinkBenchConfig, plot, run_link_bench
+    from rekv_cli.linkbench.report import plot
+    from rekv_cli.linkbench.sweep import LinkBenchConfig, run_link_bench
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from services.cli_util import write_json
+from rekv_cli.util import write_json
 
 DEMO_LENGTHS = (0, 12, 60)  # filler repeats: about 50, 340 and 1500 prompt tokens
 PASSKEY = 68231
@@ -40,10 +40,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from rekv_core.codecs import BASELINE_CODEC
     from rekv_core.eval.needle import answer_found, passkey_prompt
-    from services.client import generate
-    from services.launcher import ServicePair
+    from rekv_core.model.shapes import DEFAULT_MODEL, get_preset
+    from rekv_cli.client import generate
+    from rekv_cli.launcher import ServicePair
 
+    L = get_preset(DEFAULT_MODEL).num_layers
     if args.max_new_tokens < 1:
         raise ValueError(f"max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     console = Console()
@@ -61,11 +64,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     try:
         with grpc.insecure_channel(pair.decode_address) as channel, Progress(console=console) as bar:
             task = bar.add_task("requests", total=2 * len(prompts))
-            for cut in (30, 15, 0):  # warm both processes' code paths before timing anything
+            for cut in (L, L // 2, 0):  # warm both processes' code paths before timing anything
                 generate(channel, f"demo-warmup-{cut}", "Warm up.", 2, forced_action=("int8", cut))
             for index, prompt in enumerate(prompts):
                 row = {}
-                for label, forced in (("planned", None), ("bf16", ("bf16", 30))):
+                for label, forced in (("planned", None), ("bf16", (BASELINE_CODEC, L))):
                     result = generate(channel, f"demo-{index}-{label}", prompt,
                                       args.max_new_tokens, forced_action=forced)
                     s = result.summary

@@ -28,7 +28,7 @@ class ServiceProcess:
         self.ready_file.unlink(missing_ok=True)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "services.cli", "serve", role, "--ready-file",
+            [*prefix, sys.executable, "-m", "rekv_cli", "serve", role, "--ready-file",
              str(self.ready_file), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         self.info: dict = {}

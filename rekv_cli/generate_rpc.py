@@ -1,7 +1,7 @@
 """Regenerate the Python modules of the control plane from `proto/`:
 
-    python -m services.generate_rpc            # writes services/rpc/rekv/v1/
-    python -m services.generate_rpc --check    # exit 1 when the committed modules are stale
+    python -m rekv_cli.generate_rpc            # writes services/rpc/rekv/v1/
+    python -m rekv_cli.generate_rpc --check    # exit 1 when the committed modules are stale
 
 protoc writes absolute imports (`from rekv.v1 import rekv_pb2`); they are rewritten to import from
 `services.rpc`, so no top-level `rekv` package is needed on sys.path.
@@ -56,7 +56,7 @@ def main() -> int:
             if not committed.exists() or committed.read_text() != fresh.read_text():
                 stale.append(str(committed.relative_to(ROOT)))
     if stale:
-        print("stale, run `python -m services.generate_rpc`: " + ", ".join(stale), file=sys.stderr)
+        print("stale, run `python -m rekv_cli.generate_rpc`: " + ", ".join(stale), file=sys.stderr)
         return 1
     return 0
 

@@ -1,0 +1,108 @@
+"""`rekv bench link`'s results: one row per (point, action) from the client's samples, one summary
+per point (best action, best single mechanism, the planner against the best, joint int8 against
+full BF16 and the best single mechanism), and the Fig. 2-style plot.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from rekv_core.bench.handoff import LinkRate
+from rekv_core.bench.stats import median_ci
+from rekv_core.handoff import Action
+from rekv_core.handoff.action import wire_bytes
+from rekv_core.model.shapes import ModelShape
+
+SINGLE_MECHANISMS = ("bf16_transfer", "quant_transfer", "bf16_recompute", "token_recompute")
+
+
+def _label(kind: str, codec: str, cut: int) -> str:
+    return {"bf16_transfer": "BF16", "quant_transfer": f"{codec} only",
+            "token_recompute": "tokens"}.get(kind, f"{'BF16' if codec == 'bf16' else codec} c={cut}")
+
+
+def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) -> dict:
+    """One action at one point, from the client's results for it."""
+    median, (low, high) = median_ci(result["samples_ms"])
+    kind, codec, cut = result["used"][-1]
+    planner = result["forced"] is None
+    return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
+            "action": kind, "codec": codec, "cut": cut, "planner": planner,
+            "label": ("planner: " if planner else "") + _label(kind, codec, cut),
+            "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
+            "bytes": wire_bytes(Action(codec, cut, shape.num_layers), shape, S).total,
+            "median_ms": median, "ci95_ms": [low, high],
+            "predicted_ms": statistics.median(result["predicted_ms"]),
+            "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])
+                                for part in ("Q", "H", "X", "R", "J")},
+            "samples_ms": result["samples_ms"], "fallbacks": result["fallbacks"]}
+
+
+def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balanced: float
+                  ) -> dict:
+    forced = [r for r in rows if not r["planner"]]
+    planner = next(r for r in rows if r["planner"])
+    best = min(forced, key=lambda r: r["median_ms"])
+    singles = [r for r in forced if r["action"] in SINGLE_MECHANISMS]
+    best_single = min(singles, key=lambda r: r["median_ms"])
+    joints = [r for r in forced if r["action"] == "joint"]
+    best_joint = min(joints, key=lambda r: r["median_ms"]) if joints else None
+    bf16 = forced[0]
+
+    def brief(r):
+        return {"label": r["label"], "action": r["action"], "codec": r["codec"], "cut": r["cut"],
+                "median_ms": r["median_ms"]}
+
+    within = planner["median_ms"] <= 1.1 * best["median_ms"]
+    return {"prompt_len": S, "link": rate.label, "link_gbps": gbps,
+            "bf16_over_balanced": gbps / balanced, "best": brief(best),
+            "best_single": brief(best_single), "planner": brief(planner),
+            "planner_within_10pct": within,
+            "planner_over_best": planner["median_ms"] / best["median_ms"],
+            "joint_int8_speedup_vs_bf16": bf16["median_ms"] / best_joint["median_ms"]
+            if best_joint else None,
+            "joint_int8_speedup_vs_best_single": best_single["median_ms"] / best_joint["median_ms"]
+            if best_joint else None}
+
+
+def plot(results: dict, path: str | Path) -> None:
+    """One panel per link rate label: handoff time normalized to full BF16, grouped by S."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    links = list(dict.fromkeys(r["link"] for r in rows))
+    lengths = list(dict.fromkeys(r["prompt_len"] for r in rows))
+    fig, axes = plt.subplots(1, len(links), figsize=(5.5 * len(links), 4.2), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        labels = list(dict.fromkeys(r["label"] if not r["planner"] else "planner"
+                                    for r in rows if r["link"] == link))
+        width = 0.8 / len(labels)
+        for i, label in enumerate(labels):
+            heights, errors = [], []
+            for S in lengths:
+                point = [r for r in rows if r["link"] == link and r["prompt_len"] == S]
+                bf16 = point[0]["median_ms"]
+                row = next((r for r in point if (r["label"] if not r["planner"] else "planner")
+                            == label), None)
+                heights.append(row["median_ms"] / bf16 if row else 0)
+                errors.append([(row["median_ms"] - row["ci95_ms"][0]) / bf16 if row else 0,
+                               (row["ci95_ms"][1] - row["median_ms"]) / bf16 if row else 0])
+            xs = [j + i * width for j in range(len(lengths))]
+            ax.bar(xs, heights, width, label=label,
+                   yerr=list(zip(*errors)) if errors else None, capsize=2,
+                   hatch="//" if label == "planner" else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))])
+        ax.set_xticklabels([f"S={S}" for S in lengths])
+        ax.set_title(f"link {link}")
+        ax.set_ylabel("handoff time / full BF16")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"{results['meta']['model']}: measured handoff time normalized to full BF16 "
+                 f"({results['meta']['link']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

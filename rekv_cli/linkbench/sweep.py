@@ -1,0 +1,237 @@
+"""`rekv bench link`: the real services across an emulated cross-node link, every action timed.
+
+The prefill and decode services run in two network namespaces joined by a veth pair shaped with
+`tc tbf` (`netns.EmulatedLink`); gRPC and UCX (TCP) both cross it. Without root (or `ip`/`tc`), it
+says so and runs both services on loopback instead, with the prefill side pacing its UCX sends to
+the link rate (`--pace-gbps`). There is no delay or loss emulation (this kernel has no `netem`).
+
+For each prompt length S and link rate (Gb/s, or xK: K times S's balanced rate, at which all layers'
+BF16 KV takes as long on the link as computing all layers), a client inside the decode namespace
+(`link_client`) sends, per action: W warm-up and N timed requests with one new token. Actions: full
+BF16, int8 transfer-only, BF16 recompute and joint int8 at each cut of the sweep, token-only, then
+the planner's own choice (no forced action). Where the machine has two cores or more, each
+service is pinned to its own half of them (`taskset`), with as many torch threads as cores, and
+the balanced rate is measured under the same pinning: two nodes do not share cores, and without
+the pinning the decode side's recompute and the prefill side's encoding and sends would compete.
+Per point it reports medians with 95% bootstrap intervals of the measured handoff time (the end
+of the prefill to the complete cache on the decode worker), speedups over full BF16, the best
+action, and whether the planner's pick is within 10% of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rekv_cli.launcher import ServicePair
+from rekv_cli.linkbench.netns import DECODE_ADDRESS, PREFILL_ADDRESS, EmulatedLink, unavailable
+from rekv_cli.linkbench.report import point_summary, row
+from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
+from rekv_core.bench.machine import machine_info
+from rekv_core.handoff import Action
+from rekv_core.handoff.action import wire_bytes
+from rekv_core.model import Model
+
+# Both services share one host, so UCX would otherwise move bulk data through shared memory and
+# around the shaped veth pair.
+TCP_ONLY = {"UCX_TLS": "tcp"}
+
+
+@dataclass
+class LinkBenchConfig:
+    prompt_lens: Sequence[int] = (256, 1024)
+    rates: Sequence[LinkRate] = (LinkRate(1, True), LinkRate(4, True), LinkRate(10, False))
+    cuts: Sequence[int] | None = None  # default: L·{0.3, 0.5, 0.7}
+    warmups: int = 3
+    runs: int = 10
+    service_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None
+    loopback: bool = False  # skip the namespaces even where they can be made
+    pin: bool = True  # each service on its own half of the cores (where there are two or more)
+
+
+def split_cores(cores: Sequence[int]) -> tuple[list[int], list[int]] | None:
+    """(prefill's cores, decode's cores): the first half and the rest; None below two cores."""
+    cores = sorted(cores)
+    if len(cores) < 2:
+        return None
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def _taskset(cores: Sequence[int] | None) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores))] if cores else []
+
+
+@contextlib.contextmanager
+def pinned(cores: Sequence[int] | None):
+    """This process on `cores` with as many torch threads, restored on exit (no-op for None)."""
+    if not cores:
+        yield
+        return
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, cores)
+    torch.set_num_threads(len(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+
+
+def default_cuts(num_layers: int) -> list[int]:
+    return sorted({round(num_layers * f) for f in (0.3, 0.5, 0.7)})
+
+
+def forced_actions(num_layers: int, cuts: Sequence[int]) -> list[list | None]:
+    L = num_layers
+    actions: list = [["bf16", L], ["int8", L], ["bf16", 0]]
+    actions += [["bf16", c] for c in cuts] + [["int8", c] for c in cuts]
+    return [*actions, None]  # None: the planner chooses
+
+
+def run_link_bench(model: Model, config: LinkBenchConfig,
+                   progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The sweep. SIGTERM ends it like Ctrl-C: the services stop and the namespaces go."""
+    if threading.current_thread() is not threading.main_thread():
+        return _Sweep(model, config, progress).run()
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _Sweep(model, config, progress).run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+class _Sweep:
+    def __init__(self, model: Model, config: LinkBenchConfig, progress: Callable[[str], None]):
+        self.model, self.config, self.progress = model, config, progress
+        self.shape = model.shape
+        self.cuts = list(config.cuts or default_cuts(self.shape.num_layers))
+        self.actions = forced_actions(self.shape.num_layers, self.cuts)
+        sides = split_cores(os.sched_getaffinity(0)) if config.pin else None
+        self.prefill_cores, self.decode_cores = sides or (None, None)
+        own_threads = "--torch-threads" not in config.service_args
+        self.service_args = {
+            role: [*config.service_args,
+                   *(["--torch-threads", str(len(cores))] if cores and own_threads else [])]
+            for role, cores in (("prefill", self.prefill_cores), ("decode", self.decode_cores))}
+        self.why_not = "loopback requested" if config.loopback else unavailable()
+        self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="rekv-link-"))
+        self.balanced: dict[int, float] = {}
+        self.rows: list[dict] = []
+        self.points: list[dict] = []
+
+    def run(self) -> dict:
+        for S in self.config.prompt_lens:
+            self.balanced[S] = self._balanced_gbps(S)
+        first = self.config.rates[0].gbps(self.balanced[self.config.prompt_lens[0]])
+        link = None if self.why_not else EmulatedLink(first)
+        pair = None
+        try:
+            if link:
+                self.progress(f"emulated link: namespaces {link.prefill_ns} and {link.decode_ns}, "
+                              f"veth shaped with tc tbf")
+                pair = self._services(link=link)
+            else:
+                self.progress(f"no emulated link ({self.why_not}): loopback with paced UCX sends "
+                              f"instead")
+            for rate in self.config.rates:
+                for S in self.config.prompt_lens:
+                    gbps = rate.gbps(self.balanced[S])
+                    if link:
+                        link.set_rate(gbps)
+                    else:  # the prefill service paces its sends: a fresh pair per rate
+                        if pair is not None:
+                            pair.stop()
+                        pair = self._services(pace_gbps=gbps)
+                    self._point(pair, link, S, rate, gbps)
+            codes, pair = (pair.stop() if pair else {}), None
+        finally:
+            if pair is not None:  # an error or a signal: stop the services before the namespaces
+                pair.stop()
+            if link:
+                link.close()
+        return {"meta": self._meta(codes), "balanced_gbps": self.balanced, "rows": self.rows,
+                "points": self.points}
+
+    def _balanced_gbps(self, S: int) -> float:
+        """The rate at which all layers' BF16 KV takes as long on the link as computing them."""
+        with pinned(self.decode_cores):
+            compute = time_compute_all(self.model, prompt_ids(self.shape.vocab_size, S, 0))
+        L = self.shape.num_layers
+        balanced = wire_bytes(Action.full_bf16(L), self.shape, S).prefix * 8 / compute / 1e9
+        self.progress(f"S={S}: all layers compute in {compute * 1e3:.0f} ms, balanced link "
+                      f"{balanced:.3f} Gb/s")
+        return balanced
+
+    def _services(self, link: EmulatedLink | None = None, pace_gbps: float = 0.0) -> ServicePair:
+        prefill_args, decode_args = self.service_args["prefill"], self.service_args["decode"]
+        if link is None:
+            return ServicePair([*prefill_args, "--pace-gbps", f"{pace_gbps}"], decode_args,
+                               log_dir=self.log_dir, prefill_prefix=_taskset(self.prefill_cores),
+                               decode_prefix=_taskset(self.decode_cores))
+        return ServicePair(
+            [*prefill_args, "--host", PREFILL_ADDRESS], [*decode_args, "--host", DECODE_ADDRESS],
+            log_dir=self.log_dir, env=TCP_ONLY,
+            prefill_prefix=[*link.prefix("prefill"), *_taskset(self.prefill_cores)],
+            decode_prefix=[*link.prefix("decode"), *_taskset(self.decode_cores)])
+
+    def _point(self, pair: ServicePair, link: EmulatedLink | None, S: int, rate: LinkRate,
+               gbps: float) -> None:
+        started = time.perf_counter()
+        client_prefix = link.prefix("decode") if link else []
+        results = _run_client(client_prefix, pair.decode_address, S, self.shape.vocab_size,
+                              self.actions, self.config)
+        point_rows = [row(self.shape, S, rate, gbps, r) for r in results]
+        for r in point_rows:
+            r["speedup_vs_bf16"] = point_rows[0]["median_ms"] / r["median_ms"]
+        self.rows += point_rows
+        point = point_summary(S, rate, gbps, point_rows, self.balanced[S])
+        self.points.append(point)
+        self.progress(f"S={S} link {rate.label} ({gbps:.3f} Gb/s): best "
+                      f"{point['best']['label']} {point['best']['median_ms']:.1f} ms, planner "
+                      f"{point['planner']['label']} {point['planner']['median_ms']:.1f} ms "
+                      f"({time.perf_counter() - started:.0f} s)")
+
+    def _meta(self, codes: dict) -> dict:
+        model, config = self.model, self.config
+        return {**machine_info(model.device, model.dtype, torch.get_num_threads()),
+                "model": self.shape.name, "num_layers": self.shape.num_layers,
+                "warmups": config.warmups, "runs": config.runs, "cuts": self.cuts,
+                "link": "veth + tc tbf in two network namespaces" if not self.why_not
+                else f"loopback, paced UCX sends ({self.why_not})",
+                "delay_emulation": "none: this kernel has no netem",
+                "service_exit_codes": codes, "logs": str(self.log_dir),
+                "service_cores": {"prefill": self.prefill_cores, "decode": self.decode_cores},
+                "service_args": self.service_args}
+
+
+def _run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
+                config: LinkBenchConfig) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        path = out.name
+    command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,
+               "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(actions),
+               "--warmups", str(config.warmups), "--runs", str(config.runs), "--out", path]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"link client failed: {result.stderr[-3000:]}")
+    data = json.loads(Path(path).read_text())
+    Path(path).unlink()
+    return data

@@ -1,0 +1,198 @@
+"""What each worker learns about its own costs, so the planner's eq. 9 describes this deployment.
+
+Decode side, `DecodeCalibration`. From a profile file (or a short measurement at start) it knows one
+layer's suffix cost at any prompt length (γ, a `LayerCost`) and its restore cost per codec. From
+every handoff it completes (`observe(HandoffObservation)`) it learns:
+
+- γ's scale: the measured suffix time over what the profile predicts for it (EWMA);
+- J, the join (EWMA);
+- m, the fixed cost of one data-plane message: what a prefix's time leaves unexplained by its bytes
+  on the wire and its restore, per message (EWMA), from prefixes the suffix did not hold back;
+- the link rate: the median of its recent link samples (`LinkEstimate`; a sample is the bytes of a
+  handoff's back-to-back messages over the time they took to land, see `transport.arrivals`);
+- its recent handoffs by action and by kind (`RecentHandoffs`): the planner's `Evidence`.
+
+`offer(prompt_len, load)` turns all of it into the `DecodeCosts` the worker sends with a request.
+
+Prefill side, `PrefillCalibration`: α, the encode cost per codec (profile or measured), and the
+throughput of its own sends, which stands in for the link until the decode side has measured it
+(it includes encoding, so it is only a fallback). `cost_inputs(shape, prompt_len, costs)` joins the
+two sides' figures into the planner's `CostInputs`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rekv_core.handoff import Action, HandoffTimings, WireBytes
+from rekv_core.model.executor import Model
+from rekv_core.model.shapes import ModelShape
+from rekv_core.plan.cost import CostInputs
+from rekv_core.plan.estimates import Ewma, LayerCost, LinkEstimate
+from rekv_core.plan.measure import measure_codec_costs, measure_layer_cost
+from rekv_core.plan.planner import Evidence
+from rekv_core.plan.profile import Profile
+from rekv_core.plan.recent import RecentHandoffs
+from rekv_core.units import MiB
+
+# A handoff's back-to-back runs must carry this much to time the link: smaller runs say more about
+# per-message latency than about the rate.
+LINK_SAMPLE_BYTES = 256 << 10
+# The decode side files its own handoffs under this link rate until its first link sample. It is
+# never offered to the planner: an offer says 0 (not measured) until then.
+UNMEASURED_LINK_GBPS = 10.0
+# While the suffix runs, the decode worker's UCX loop yields the core (`ucx_loop_nice`), so a prefix
+# that ends within this factor of the suffix's time was held back by it: its X says how long the
+# suffix took, not what a message costs.
+PREFIX_HELD_BACK_RATIO = 1.2
+# Startup measurement when no profile is given: prompt lengths for γ, and for the codec costs.
+STARTUP_LAYER_LENGTHS = (64, 256, 1024)
+STARTUP_CODEC_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class DecodeCosts:
+    """The decode worker's side of eq. 9 for one request, and its evidence."""
+
+    suffix_ms_per_layer: float  # γ at this prompt length under the worker's load, now
+    restore_ms_per_mib: dict[str, float]  # by codec, per MiB of BF16 KV
+    join_ms: float
+    message_ms: float
+    link_gbps: float  # the link as this worker measured it; 0: no sample yet
+    evidence: Evidence = field(default_factory=Evidence)
+
+
+@dataclass(frozen=True)
+class HandoffObservation:
+    """One completed handoff, as the decode worker saw it."""
+
+    action: Action
+    prompt_len: int
+    load: int  # handoffs in flight on the decode worker when it began, this one included
+    timings: HandoffTimings  # the receiver's; they begin before the remote prefill
+    wire: WireBytes  # received
+    link_sample: tuple[int, float] | None  # (bytes, seconds), see `HandoffResult`
+    prefill_s: float  # the prefill worker's compute, from its response
+    modelled_ms: float  # eq. 9's prediction of this action, from the prefill worker
+
+    @property
+    def handoff_s(self) -> float:
+        """The seed's handoff time: from the end of the prefill to the complete cache."""
+        return max(0.0, self.timings.total_s - self.prefill_s)
+
+    @property
+    def boundary_s(self) -> float:
+        """H from the end of the prefill."""
+        return max(0.0, self.timings.h_s - self.prefill_s)
+
+
+class DecodeCalibration:
+    """Thread-safe: its estimates lock themselves."""
+
+    def __init__(self, shape: ModelShape, layer_cost: LayerCost,
+                 restore_ms_per_mib: dict[str, float], recent: RecentHandoffs | None = None):
+        self.shape = shape
+        self.layer_cost = layer_cost
+        self.restore_ms_per_mib = dict(restore_ms_per_mib)
+        self.recent = recent or RecentHandoffs()
+        self.gamma_scale = Ewma(1.0)  # measured suffix time over the profile's prediction
+        self.join_ms = Ewma(0.0)
+        self.message_ms = Ewma(0.0)
+        self.link = LinkEstimate(UNMEASURED_LINK_GBPS, min_bytes=LINK_SAMPLE_BYTES)
+
+    @classmethod
+    def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str = ""
+                  ) -> DecodeCalibration:
+        """From a profile file, or measured on this machine now when `profile` is empty."""
+        if profile:
+            loaded = Profile.load(profile)
+            return cls(model.shape, loaded.layer_cost,
+                       {c: ms for c, ms in loaded.restore_ms_per_mib.items() if c in codecs})
+        layer_cost = measure_layer_cost(model, lengths=STARTUP_LAYER_LENGTHS)
+        restore = {codec: measure_codec_costs(codec, model.shape, STARTUP_CODEC_LENGTH,
+                                              model.device)[1] for codec in codecs}
+        return cls(model.shape, layer_cost, restore)
+
+    @property
+    def link_gbps(self) -> float:
+        """The link estimate (`UNMEASURED_LINK_GBPS` before any sample)."""
+        return self.link.gbps
+
+    def suffix_ms_per_layer(self, prompt_len: int, load: int) -> float:
+        """γ now: the profile's, scaled by what recent suffixes took, times the handoffs that
+        share this worker."""
+        return self.layer_cost.at(prompt_len) * self.gamma_scale.value * max(1, load)
+
+    def offer(self, prompt_len: int, load: int) -> DecodeCosts:
+        link = self.link.gbps
+        return DecodeCosts(
+            suffix_ms_per_layer=self.suffix_ms_per_layer(prompt_len, load),
+            restore_ms_per_mib=dict(self.restore_ms_per_mib), join_ms=self.join_ms.value,
+            message_ms=self.message_ms.value, link_gbps=link if self.link.samples else 0.0,
+            evidence=Evidence(self.recent.corrections(link), self.recent.measured(prompt_len, link)))
+
+    def observe(self, handoff: HandoffObservation) -> float | None:
+        """Learn from one completed handoff; returns its link sample in Gb/s, if it had one."""
+        t = handoff.timings
+        self.join_ms.update(t.j_s * 1e3)
+        sample_gbps = None
+        if handoff.link_sample is not None:
+            nbytes, seconds = handoff.link_sample
+            sample_gbps = nbytes * 8 / seconds / 1e9
+            self.link.observe(nbytes, seconds)
+        self._observe_suffix(handoff)
+        self._observe_prefix(handoff)
+        self.recent.observe(handoff.action, handoff.prompt_len, handoff.modelled_ms,
+                            handoff.handoff_s * 1e3, self.link.gbps)
+        return sample_gbps
+
+    def _observe_suffix(self, handoff: HandoffObservation) -> None:
+        layers = self.shape.num_layers - handoff.action.cut
+        expected = self.layer_cost.at(handoff.prompt_len) * layers * max(1, handoff.load)
+        if layers and expected > 0:
+            self.gamma_scale.update(handoff.timings.r_s * 1e3 / expected)
+
+    def _observe_prefix(self, handoff: HandoffObservation) -> None:
+        """m from X: what the bytes and the restore do not explain, per message. Only from
+        transfer-only, or a prefix that was still arriving well after the suffix was done."""
+        action, t = handoff.action, handoff.timings
+        if action.cut == 0 or self.link.samples == 0:
+            return
+        if t.r_s > 0 and t.x_s <= PREFIX_HELD_BACK_RATIO * t.r_s:
+            return
+        layers = action.cut
+        wire_ms = (handoff.wire.prefix + handoff.wire.scales) * 8 / (self.link.gbps * 1e9) * 1e3
+        restore_ms = (self.restore_ms_per_mib.get(action.codec, 0.0) * layers
+                      * self.shape.kv_layer_bytes(handoff.prompt_len) / MiB)
+        self.message_ms.update(max(0.0, (t.x_s * 1e3 - wire_ms - restore_ms) / layers))
+
+
+class PrefillCalibration:
+    def __init__(self, quantize_ms_per_mib: dict[str, float], link_prior_gbps: float):
+        self.quantize_ms_per_mib = dict(quantize_ms_per_mib)
+        # bytes over seconds of whole sends, encoding included: the link's stand-in until the
+        # decode side has measured it
+        self.send_throughput = LinkEstimate(link_prior_gbps)
+
+    @classmethod
+    def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str,
+                  link_prior_gbps: float) -> PrefillCalibration:
+        """From a profile file, or measured on this machine now when `profile` is empty."""
+        if profile:
+            quantize = Profile.load(profile).quantize_ms_per_mib
+        else:
+            quantize = {codec: measure_codec_costs(codec, model.shape, STARTUP_CODEC_LENGTH,
+                                                   model.device)[0] for codec in codecs}
+        return cls(quantize, link_prior_gbps)
+
+    def link_gbps(self, offered_gbps: float) -> float:
+        """The decode side's measurement of the link when it has one, else this side's."""
+        return offered_gbps if offered_gbps > 0 else self.send_throughput.gbps
+
+    def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts) -> CostInputs:
+        return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
+                          costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
+                          costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms)
+
+    def observe_send(self, nbytes: int, seconds: float) -> None:
+        self.send_throughput.observe(nbytes, seconds)

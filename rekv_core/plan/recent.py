@@ -1,0 +1,97 @@
+"""The decode side's memory of its recent handoffs: what the planner's expectations rest on.
+
+`RecentHandoffs.observe(...)` files each handoff by action and by action kind. Only handoffs
+younger than `max_age_s`, over a link within a factor `link_tolerance` of the current estimate,
+speak for a new request:
+
+- `corrections(link_gbps)`: by action kind, the median of measured over modelled time of its last
+  `window` such handoffs;
+- `measured(prompt_len, link_gbps)`: by action, within the request's power of two of prompt length,
+  the median time (and median prompt length, and count) of its last `window` such handoffs.
+
+An action whose measurements age out, or whose link moved on, is predicted by the model again, so
+a change of link that makes it attractive gets it tried.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from rekv_core.handoff import Action, ActionKind
+
+
+@dataclass(frozen=True)
+class Measured:
+    """Recent handoffs of one action: median time, median prompt length, how many."""
+
+    median_ms: float
+    prompt_len: int
+    count: int
+
+
+@dataclass(frozen=True)
+class _Handoff:
+    prompt_len: int
+    measured_ms: float
+    over_model: float  # measured / modelled (0: no model)
+    link_gbps: float
+    at: float  # clock seconds
+
+
+def length_bucket(prompt_len: int) -> int:
+    """Prompts in one power of two share their measurements."""
+    return prompt_len.bit_length()
+
+
+class RecentHandoffs:
+    def __init__(self, window: int = 16, max_age_s: float = 600.0, link_tolerance: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic):
+        def recent() -> collections.deque:
+            return collections.deque(maxlen=window)
+
+        self.max_age_s = max_age_s
+        self.link_tolerance = link_tolerance
+        self._clock = clock
+        self._by_kind: dict[ActionKind, collections.deque] = collections.defaultdict(recent)
+        self._by_action: dict[int, dict[Action, collections.deque]] = collections.defaultdict(
+            lambda: collections.defaultdict(recent))
+        self._lock = threading.Lock()
+
+    def observe(self, action: Action, prompt_len: int, modelled_ms: float, measured_ms: float,
+                link_gbps: float) -> None:
+        if measured_ms <= 0 or link_gbps <= 0:
+            return
+        handoff = _Handoff(prompt_len, measured_ms,
+                           measured_ms / modelled_ms if modelled_ms > 0 else 0.0, link_gbps,
+                           self._clock())
+        with self._lock:
+            if handoff.over_model > 0:
+                self._by_kind[action.kind].append(handoff)
+            self._by_action[length_bucket(prompt_len)][action].append(handoff)
+
+    def _alike(self, handoffs: Iterable[_Handoff], link_gbps: float) -> list[_Handoff]:
+        oldest = self._clock() - self.max_age_s
+        return [h for h in handoffs if h.at >= oldest and max(
+            h.link_gbps / link_gbps, link_gbps / h.link_gbps) <= self.link_tolerance]
+
+    def corrections(self, link_gbps: float) -> dict[ActionKind, float]:
+        """Median measured/modelled time by action kind."""
+        with self._lock:
+            series = {kind: self._alike(h, link_gbps) for kind, h in self._by_kind.items()}
+        return {kind: statistics.median(h.over_model for h in alike)
+                for kind, alike in series.items() if alike}
+
+    def measured(self, prompt_len: int, link_gbps: float) -> dict[Action, Measured]:
+        """Each action's recent handoffs that speak for a prompt of `prompt_len` tokens over a
+        link of `link_gbps`."""
+        with self._lock:
+            series = {action: self._alike(h, link_gbps) for action, h in
+                      self._by_action.get(length_bucket(prompt_len), {}).items()}
+        return {action: Measured(statistics.median(h.measured_ms for h in alike),
+                                 statistics.median_low(h.prompt_len for h in alike), len(alike))
+                for action, alike in series.items() if alike}

@@ -1,0 +1,122 @@
+"""A slower link emulated in front of any sender: `PacedSender(inner, gbps)`.
+
+Each message is held until a link of `gbps` would have finished carrying it, then forwarded to
+`inner.send`: the link is free again at `link_free_at = max(now, link_free_at) + nbytes·8 / rate`,
+and the message leaves at that `link_free_at`, so messages queue behind each other in send order.
+`send` returns at once, as the contract requires; one forwarding thread ("rekv-pace") releases the
+held messages in order. `flush(request_id, timeout)` waits until that request's messages are
+forwarded, then flushes `inner` with the time left. An error from `inner.send` fails that request's
+flush. `pending()` counts held messages plus inner's in-flight ones. `shutdown()` stops the thread
+(messages still held are dropped, and their requests' flushes raise `TransportError`) and shuts
+`inner` down; it may be called twice. `paced(sender, gbps)` wraps only when `gbps` > 0.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from rekv_core.transport.base import Message, TransportError, TransportSender
+
+
+class PacedSender(TransportSender):
+    def __init__(self, inner: TransportSender, gbps: float):
+        if not gbps > 0:
+            raise ValueError(f"pace_gbps: must be positive, got {gbps}")
+        self.inner = inner
+        self.gbps = gbps
+        self._cond = threading.Condition()
+        self._queue: collections.deque[tuple[float, Message]] = collections.deque()
+        self._held: collections.Counter[str] = collections.Counter()  # not yet forwarded
+        self._errors: dict[str, Exception] = {}  # inner.send failed for these requests
+        self._dropped: set[str] = set()  # messages of these requests were held at shutdown
+        self._link_free_at = 0.0
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="rekv-pace", daemon=True)
+        self._thread.start()
+
+    def send(self, message: Message) -> None:
+        with self._cond:
+            if self._stopped:
+                raise TransportError("paced sender: shut down")
+            now = time.monotonic()
+            start = max(now, self._link_free_at)
+            self._link_free_at = start + message.nbytes * 8 / (self.gbps * 1e9)
+            self._queue.append((self._link_free_at, message))
+            self._held[message.request_id] += 1
+            self._cond.notify_all()
+
+    def _next(self) -> Message | None:
+        """The next message once its time has come, or None when stopped."""
+        with self._cond:
+            while not self._stopped:
+                if self._queue:
+                    wait = self._queue[0][0] - time.monotonic()
+                    if wait <= 0:
+                        return self._queue.popleft()[1]
+                    self._cond.wait(wait)
+                else:
+                    self._cond.wait()
+            return None
+
+    def _run(self) -> None:
+        while (message := self._next()) is not None:
+            request_id = message.request_id
+            error = None
+            try:
+                self.inner.send(message)
+            except Exception as exc:  # reported by this request's flush
+                error = exc
+            with self._cond:
+                if self._stopped:
+                    return
+                if error is not None:
+                    self._errors.setdefault(request_id, error)
+                self._held[request_id] -= 1
+                if not self._held[request_id]:
+                    del self._held[request_id]
+                self._cond.notify_all()
+
+    def flush(self, request_id: str, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if not self._cond.wait_for(
+                    lambda: not self._held[request_id] or request_id in self._dropped, timeout):
+                raise TimeoutError(f"request {request_id}: messages still on the wire after "
+                                   f"{timeout} s")
+            if request_id in self._dropped:
+                self._dropped.discard(request_id)
+                raise TransportError(f"request {request_id}: paced sender shut down with "
+                                     f"messages held")
+            error = self._errors.pop(request_id, None)
+        if error is not None:
+            raise TransportError(f"request {request_id}: send failed: {error}") from error
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            self.inner.flush(request_id, remaining)
+        except TimeoutError:
+            raise TimeoutError(f"request {request_id}: messages still on the wire after "
+                               f"{timeout} s") from None
+
+    def pending(self) -> dict[str, int]:
+        with self._cond:
+            held = sum(self._held.values())
+        return {"in_flight_messages": held + self.inner.pending()["in_flight_messages"]}
+
+    def shutdown(self) -> None:
+        with self._cond:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._dropped.update(self._held)
+            self._queue.clear()
+            self._held.clear()
+            self._cond.notify_all()
+        self._thread.join(10)  # at most one inner.send, which never blocks, is under way
+        self.inner.shutdown()
+
+
+def paced(sender: TransportSender, gbps: float) -> TransportSender:
+    """`sender` behind a link of `gbps`, or `sender` itself when `gbps` is 0."""
+    return PacedSender(sender, gbps) if gbps > 0 else sender

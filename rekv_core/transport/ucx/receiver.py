@@ -1,0 +1,284 @@
+"""The decode side of the UCX transport: a listener, and one read-ahead reader per open request.
+
+`UcxReceiver` listens on host:port (its `address`) and keeps every endpoint a sender connects with.
+Each open request has a reader on the engine loop that receives its messages in order as soon as
+they arrive, up to `prefetch` messages ahead of the consumer, so the wire does not idle while the
+consumer decodes the previous layer (a rendezvous send completes only once its receive is posted).
+The reader looks for exactly the tag it expects next (`framing.message_tag`), so a message of
+another request, or a late message of a closed one, can never be received into this request.
+Each message it hands over carries its `Arrival` (`arrivals`).
+
+A request moves through `ReceiveState`: OPEN until `close` (CLOSED: the reader stops) or `abort`
+(DRAINING: the reader discards what it has queued and, for `drain_seconds` after the last arrival,
+takes and discards the remaining messages in order, so the sender's pending sends complete and UCX
+holds no unexpected data for it; they count as `strays`; then CLOSED). `shutdown()` closes every
+request, the endpoints and the listener, and gives back a shared engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from rekv_core.transport.arrivals import Arrival
+from rekv_core.transport.base import Message, ReceiveState, TransportError, TransportReceiver
+from rekv_core.transport.ucx.engine import UcxEngine, release_engine
+from rekv_core.transport.ucx.framing import (check_buffer_count, decode_frame, message_tag,
+                                             wire_view)
+
+PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
+
+
+def _context():
+    from ucxx import core
+
+    return core._get_ctx()
+
+
+async def _recv_tag(buffer, tag: int) -> None:
+    await _context().recv(buffer, tag)
+
+
+async def _take_frame(tag: int, give_up: Callable[[], bool]
+                      ) -> tuple[torch.Tensor | None, bool, float]:
+    """Wait for the message under `tag` and receive it whole, or return None once `give_up()`.
+    Also returns whether the first look found it, and the span within which it arrived: that
+    look's own duration, or from the start of the last look that found nothing to the end of the
+    one that found it. (A look can take long: in threaded progress mode a probe waits for the
+    progress thread, and this thread may be waiting for a core.) Probing, rather than posting a
+    receive, leaves nothing posted in UCX when we give up."""
+    context = _context()
+    delay = 0.00005
+    last_empty = None
+    while True:
+        began = time.perf_counter()
+        probe = context.tag_probe(tag, remove=True)
+        if probe.matched:
+            window = time.perf_counter() - (began if last_empty is None else last_empty)
+            frame = torch.empty(probe.length, dtype=torch.uint8)
+            await context.recv_with_handle(frame.numpy(), probe)
+            return frame, last_empty is None, window
+        if give_up():
+            return None, last_empty is None, 0.0
+        last_empty = began
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, PROBE_INTERVAL_MAX)
+
+
+@dataclass(eq=False)
+class _Inbox:
+    """One request on the receiving side: its read-ahead task and what it has received.
+
+    Lives on the engine loop: only the loop changes `state`, and the reader looks at it there."""
+
+    queue: asyncio.Queue
+    next_seq: int = 0  # the consumer's next message
+    state: ReceiveState = ReceiveState.OPEN
+    drain_until: float = 0.0
+    done: bool = False  # the reader has returned
+
+
+class UcxReceiver(TransportReceiver):
+    """Decode side. `address` is what the prefill side must be told (host:port); `prefetch` is how
+    many messages each open request's reader may receive ahead of its consumer; `device` is where
+    buffers sent from device memory land. With `shared_engine` the engine came from
+    `acquire_engine`, and `shutdown` gives it back."""
+
+    def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
+                 device: torch.device | str = "cpu", drain_seconds: float = 5.0,
+                 prefetch: int = 4, shared_engine: bool = False):
+        self._engine = engine
+        self._shared_engine = shared_engine
+        self._device = torch.device(device)
+        self.drain_seconds = drain_seconds
+        self.prefetch = prefetch
+        self._endpoints: list = []
+        self._lock = threading.Lock()
+        self._inboxes: dict[str, _Inbox] = {}
+        self._draining: dict[str, _Inbox] = {}
+        self._waiting: dict[str, concurrent.futures.Future] = {}
+        self._shut = False
+        self.strays = 0
+        self._listener = engine.call(self._listen(port))
+        self.address = f"{host}:{self._listener.port}"
+
+    @property
+    def engine(self) -> UcxEngine:
+        return self._engine
+
+    async def _listen(self, port: int):
+        import ucxx
+
+        async def on_connect(endpoint) -> None:
+            self._endpoints.append(endpoint)  # kept alive; the peer reuses it for every request
+
+        return ucxx.create_listener(on_connect, port=port)
+
+    def open(self, request_id: str) -> None:
+        with self._lock:
+            if self._shut:
+                raise TransportError("receiver: shut down")
+            if request_id in self._inboxes or request_id in self._draining:
+                raise TransportError(f"request {request_id}: already open")
+            inbox = _Inbox(asyncio.Queue(self.prefetch))
+            self._inboxes[request_id] = inbox
+        self._engine.submit(self._read_ahead(request_id, inbox))
+
+    def _give_up(self, inbox: _Inbox) -> bool:
+        return inbox.state is ReceiveState.CLOSED or (inbox.state is ReceiveState.DRAINING
+                                                      and time.monotonic() > inbox.drain_until)
+
+    async def _read_ahead(self, request_id: str, inbox: _Inbox) -> None:
+        seq, previous_end = 0, None
+        try:
+            while True:
+                looked = time.perf_counter()
+                held = 0.0 if previous_end is None else looked - previous_end
+                frame, first_look, window = await _take_frame(message_tag(request_id, seq, 0),
+                                                              lambda: self._give_up(inbox))
+                if frame is None:
+                    return
+                draining = inbox.state > ReceiveState.OPEN
+                message = await self._recv_message(
+                    request_id, seq, frame, device=torch.device("cpu") if draining else None)
+                previous_end = time.perf_counter()
+                message.arrival = Arrival(held, first_look, window, previous_end,
+                                          len(frame) + message.payload_bytes)
+                seq += 1
+                if inbox.state > ReceiveState.OPEN:
+                    self._discard(inbox, 1)
+                    continue
+                await inbox.queue.put(message)
+                if inbox.state > ReceiveState.OPEN:  # ended while waiting for room
+                    self._discard(inbox, 0)
+        except Exception as exc:
+            if inbox.state is ReceiveState.OPEN:
+                await inbox.queue.put(exc)  # the consumer raises it
+            else:  # a broken stray is still a stray; nothing else to free
+                self._discard(inbox, 1)
+        finally:
+            inbox.done = True
+            with self._lock:
+                self._forget_draining(request_id, inbox)
+
+    def _forget_draining(self, request_id: str, inbox: _Inbox) -> None:
+        if self._draining.get(request_id) is inbox:
+            del self._draining[request_id]
+
+    def _discard(self, inbox: _Inbox, received: int) -> None:
+        """Count `received` plus everything queued as strays, and empty the queue."""
+        while not inbox.queue.empty():
+            inbox.queue.get_nowait()
+            received += 1
+        inbox.drain_until = time.monotonic() + self.drain_seconds
+        with self._lock:
+            self.strays += received
+
+    def recv(self, request_id: str, timeout: float) -> Message:
+        with self._lock:
+            inbox = self._inboxes.get(request_id)
+            if inbox is None:
+                raise TransportError(f"request {request_id}: not open")
+        future = self._engine.submit(asyncio.wait_for(inbox.queue.get(), timeout))
+        with self._lock:
+            self._waiting[request_id] = future
+        try:
+            item = future.result(timeout + 5)
+        except (TimeoutError, asyncio.TimeoutError):
+            future.cancel()
+            raise TimeoutError(f"request {request_id}: no message within {timeout} s") from None
+        except concurrent.futures.CancelledError:
+            raise TransportError(f"request {request_id}: closed while receiving") from None
+        finally:
+            with self._lock:
+                self._waiting.pop(request_id, None)
+        with self._lock:
+            if self._inboxes.get(request_id) is not inbox:
+                raise TransportError(f"request {request_id}: closed while receiving")
+        if isinstance(item, BaseException):
+            raise item
+        if item.seq != inbox.next_seq:
+            raise TransportError(f"request {request_id}: message {item.seq}, expected "
+                                 f"{inbox.next_seq}")
+        inbox.next_seq += 1
+        return item
+
+    async def _recv_message(self, request_id: str, seq: int, frame: torch.Tensor,
+                            device=None) -> Message:
+        meta = decode_frame(frame)
+        if meta["request_id"] != request_id or meta["seq"] != seq:
+            raise TransportError(f"request {request_id}: frame of request {meta['request_id']} "
+                                 f"message {meta['seq']} under the tag of message {seq}")
+        check_buffer_count(meta["name"], len(meta["buffers"]))
+        buffers, receives = {}, []
+        for part, (name, nbytes, kind) in enumerate(meta["buffers"], start=1):
+            where = device or (self._device if kind == "cuda" else torch.device("cpu"))
+            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
+            buffers[name] = buf
+            if nbytes:
+                receives.append(_recv_tag(wire_view(buf), message_tag(request_id, seq, part)))
+        await asyncio.gather(*receives)
+        return Message(request_id, seq, meta["name"], meta["header"].encode("latin-1"), buffers)
+
+    def close(self, request_id: str) -> None:
+        self._end(request_id, ReceiveState.CLOSED)
+
+    def abort(self, request_id: str) -> None:
+        self._end(request_id, ReceiveState.DRAINING if self.drain_seconds > 0
+                  else ReceiveState.CLOSED)
+
+    def _end(self, request_id: str, state: ReceiveState) -> None:
+        with self._lock:
+            inbox = self._inboxes.pop(request_id, None)
+            waiting = self._waiting.pop(request_id, None)
+            if inbox is None:
+                return
+            if state is ReceiveState.DRAINING:
+                self._draining[request_id] = inbox
+        if waiting is not None:
+            waiting.cancel()  # its thread raises "closed while receiving"
+
+        def end() -> None:  # on the engine loop, where the reader looks at the state
+            inbox.state = state
+            self._discard(inbox, 0)
+            if inbox.done:
+                with self._lock:
+                    self._forget_draining(request_id, inbox)
+
+        self._engine.loop.call_soon_threadsafe(end)
+
+    def pending(self) -> dict[str, int]:
+        with self._lock:
+            inboxes = list(self._inboxes.values())
+            return {"open_requests": len(inboxes),
+                    "buffered_messages": sum(i.queue.qsize() for i in inboxes),
+                    "draining_requests": len(self._draining)}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._shut:
+                return
+            self._shut = True
+            open_requests = list(self._inboxes)
+            draining = list(self._draining.values())
+        for request_id in open_requests:
+            self.close(request_id)
+        try:
+            self._engine.call(self._close_all(draining), 10)
+        finally:
+            if self._shared_engine:
+                release_engine(self._engine)
+
+    async def _close_all(self, draining: list[_Inbox]) -> None:
+        for inbox in draining:  # their readers stop at their next look
+            inbox.state = ReceiveState.CLOSED
+        for endpoint in self._endpoints:
+            if not endpoint.closed:
+                await endpoint.close()
+        self._listener.close()

@@ -1,0 +1,1 @@
+"""The decode service (`Decode.Generate`): what runs in a decode pod."""

@@ -1,0 +1,91 @@
+"""The decode worker: model, tokenizer, data-plane receiver and calibration behind `Decode.Generate`.
+
+`admit(call)` applies this worker's limits and tokenizes; `offer(prompt_len, load, queue)` is what
+the worker tells the prefill side; `receive(transfer_id, ...)` rebuilds one handoff's cache from the
+data plane (the transfer must be opened on `receiver` first); `recompute(ids, capacity)` is the
+fallback that builds the cache here from the token ids; `decode_step` generates one token.
+Thread-safe: the blocking methods run on worker threads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rekv_core.handoff import HandoffResult, receive_handoff
+from rekv_core.model import KVCache, decode_step, prefill
+from rekv_core.model.tokenizer import load_tokenizer
+from rekv_core.plan.calibration import DecodeCalibration
+from rekv_core.transport import create_receiver
+from services.calls import DecodeOffer, GenerateCall
+from services.errors import InvalidArgument
+from services.metrics import ServiceMetrics
+from services.serving import Worker
+from services.settings import ServiceSettings
+
+MAX_REQUEST_ID = 128  # characters
+
+
+class DecodeWorker(Worker):
+    def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
+        super().__init__(settings, metrics)
+        self.tokenizer = load_tokenizer(settings.model)
+        self.calibration = DecodeCalibration.for_model(self.model, settings.codecs,
+                                                       settings.profile)
+        self.receiver = create_receiver(settings.transport, self.transport_options())
+        metrics.link.set_function(lambda: self.calibration.link_gbps)
+        metrics.transport_pending.set_function(lambda: sum(self.receiver.pending().values()))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.tokenizer.eos_token_id if self.tokenizer else None
+
+    def admit(self, call: GenerateCall) -> list[int]:
+        """The prompt's token ids, once the call is within this worker's limits."""
+        if len(call.request_id) > MAX_REQUEST_ID:
+            raise InvalidArgument(f"request_id: longer than {MAX_REQUEST_ID} characters")
+        if not 1 <= call.max_new_tokens <= self.settings.max_new_tokens:
+            raise InvalidArgument(f"max_new_tokens: must lie in [1, "
+                                  f"{self.settings.max_new_tokens}], got {call.max_new_tokens}")
+        return self._tokenize(call)
+
+    def _tokenize(self, call: GenerateCall) -> list[int]:
+        which = "text" if call.text is not None else "token_ids"
+        if call.text is not None:
+            if self.tokenizer is None:
+                raise InvalidArgument("text: this model has no tokenizer; send token_ids")
+            ids = self.tokenizer.encode(call.text)
+        else:
+            ids = call.token_ids
+        if not ids:
+            raise InvalidArgument(f"{which}: the prompt is empty")
+        if len(ids) > self.settings.max_prompt_tokens:
+            raise InvalidArgument(f"{which}: {len(ids)} prompt tokens exceed the limit of "
+                                  f"{self.settings.max_prompt_tokens}")
+        vocab = self.shape.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) + call.max_new_tokens > self.shape.max_positions:
+            raise InvalidArgument(f"max_new_tokens: prompt plus new tokens exceed the model's "
+                                  f"context of {self.shape.max_positions}")
+        return ids
+
+    def offer(self, prompt_len: int, load: int, queue: int) -> DecodeOffer:
+        return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
+                           address=self.receiver.address, codecs=tuple(self.settings.codecs),
+                           queue_depth=queue, handoffs_in_flight=load,
+                           costs=self.calibration.offer(prompt_len, load))
+
+    def receive(self, transfer_id: str, prompt_len: int, max_new_tokens: int) -> HandoffResult:
+        return receive_handoff(self.model, self.receiver, transfer_id, "overlap",
+                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len)
+
+    def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
+        out = prefill(self.model, ids, boundaries=())
+        return KVCache.from_layers(out.keys, out.values, capacity), out.logits
+
+    def decode_step(self, token: int, cache: KVCache) -> torch.Tensor:
+        return decode_step(self.model, token, cache)
+
+    def close(self) -> None:
+        self.receiver.shutdown()

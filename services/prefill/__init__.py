@@ -1,0 +1,1 @@
+"""The prefill service (`Prefill.Handoff`): what runs in a prefill pod."""

@@ -1,0 +1,123 @@
+"""The house's walls, checked on the source: which layer may import which, and how big a file or
+a function may grow. See the README's architecture section for the picture these encode."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("rekv_core", "services", "rekv_cli")
+GENERATED = ROOT / "services" / "rpc" / "rekv"
+
+# Bottom to top. A module may import its own package (the longest name below that contains it)
+# and the packages of lower layers, never a higher layer or another package of its own layer.
+LAYERS = (
+    ("rekv_core.units", "rekv_core.timing"),
+    ("rekv_core.kernels", "rekv_core.transport", "rekv_core.eval"),
+    ("rekv_core.model",),
+    ("rekv_core.codecs",),
+    ("rekv_core.handoff",),
+    ("rekv_core.plan",),
+    ("rekv_core.bench", "rekv_core.settings"),
+    ("services.rpc",),
+    ("services",),  # what both services share: serving, settings, metrics, calls, wire_convert
+    ("services.prefill", "services.decode"),
+    ("rekv_cli",),
+)
+CORE_NEVER = ("services", "rekv_cli", "grpc", "grpc_health", "grpc_reflection", "google.protobuf")
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def _sources(*tops: str) -> list[Path]:
+    files = []
+    for top in tops:
+        files += [p for p in (ROOT / top).rglob("*.py") if GENERATED not in p.parents]
+    return sorted(files)
+
+
+def _module(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module this file imports, at any depth (lazy imports inside functions count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def _package(module: str) -> tuple[int, str] | None:
+    """(layer, package) of a project module: the longest package name in LAYERS containing it."""
+    best = None
+    for layer, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and (
+                    best is None or len(name) > len(best[1])):
+                best = (layer, name)
+    return best
+
+
+def _within(module: str, prefixes) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def test_every_project_module_has_a_layer():
+    missing = [_module(p) for p in _sources(*PACKAGES)
+               if _module(p) not in PACKAGES and _package(_module(p)) is None]
+    assert not missing, f"modules outside every layer: {missing}"
+
+
+def test_no_module_imports_above_its_layer():
+    wrong = []
+    for path in _sources(*PACKAGES):
+        mine = _package(_module(path))
+        if mine is None:  # a top package's own __init__
+            continue
+        for imported in _imports(path):
+            theirs = _package(imported)
+            if theirs is None or theirs[1] == mine[1]:
+                continue
+            if theirs[0] >= mine[0]:
+                wrong.append(f"{_module(path)} (layer {mine[0]}) imports {imported} "
+                             f"(layer {theirs[0]})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_core_never_imports_the_services_grpc_or_protobuf():
+    wrong = [f"{_module(path)} imports {imported}" for path in _sources("rekv_core")
+             for imported in _imports(path) if _within(imported, CORE_NEVER)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_catches_a_wrong_import(tmp_path):
+    """The walker sees lazy imports and ranks them: a core module importing the CLI is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from rekv_cli.main import main\n    import grpc\n")
+    assert _imports(bad) == {"rekv_cli.main", "grpc"}
+    assert _package("rekv_cli.main")[0] > _package("rekv_core.plan.planner")[0]
+    assert _within("grpc", CORE_NEVER) and _package("services.decode.server") == (
+        9, "services.decode")
+
+
+@pytest.mark.parametrize("top", ["rekv_core", "services", "rekv_cli", "bench", "tests"])
+def test_files_and_functions_stay_small(top):
+    too_long = []
+    for path in _sources(top):
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        for node in ast.walk(ast.parse(text, str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
+                                    f"{length} lines")
+    assert not too_long, "\n".join(too_long)
