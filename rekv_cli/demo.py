@@ -62,7 +62,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   f"(UCX {pair.decode.info['ucx']}); logs in {pair.log_dir}")
     failed = 0
     try:
-        with grpc.insecure_channel(pair.decode_address) as channel, Progress(console=console) as bar:
+        with (grpc.insecure_channel(pair.decode_address) as channel,
+              Progress(console=console) as bar):
             task = bar.add_task("requests", total=2 * len(prompts))
             for cut in (L, L // 2, 0):  # warm both processes' code paths before timing anything
                 generate(channel, f"demo-warmup-{cut}", "Warm up.", 2, forced_action=("int8", cut))

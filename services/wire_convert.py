@@ -13,8 +13,7 @@ from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
-from services.calls import (Completion, DecodeOffer, GenerateCall, HandoffCall, HandoffReply,
-                            HandoffReport)
+from services.calls import Completion, DecodeOffer, GenerateCall, HandoffCall, HandoffReply
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
 

@@ -67,8 +67,11 @@ def test_small_run_writes_rows_for_every_action(tmp_path):
     assert all(ROW_KEYS <= set(r) for r in rows)
     assert {r["action"] for r in rows} == {k.value for k in ActionKind}
     assert {r["link_gbps"] for r in rows if r["link"] == "2"} == {2.0}
+    starts = [t for r in rows for t in r["samples_started_s"]]
+    assert len(set(starts)) == len(starts) == 2 * 7 * 3  # every sample is its own run
     for r in rows:
         assert r["runs"] == 3 and len(r["samples_ms"]) == 3
+        assert r["samples_started_s"] == sorted(r["samples_started_s"])
         assert r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
         if r["action"] == "bf16_transfer":
             assert r["speedup_vs_bf16"] == 1.0

@@ -11,5 +11,6 @@ register_codec(BASELINE_CODEC, BF16Codec)
 register_codec("int8", lambda: GroupwiseIntCodec(8))
 register_codec("int4", lambda: GroupwiseIntCodec(4))
 
-__all__ = ["BASELINE_CODEC", "BF16Codec", "Codec", "CorruptPayloadError", "EncodedKV", "GroupwiseIntCodec",
+__all__ = ["BASELINE_CODEC", "BF16Codec", "Codec", "CorruptPayloadError", "EncodedKV",
+           "GroupwiseIntCodec",
            "codec_names", "get_codec", "register_codec"]

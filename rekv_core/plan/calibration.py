@@ -129,7 +129,8 @@ class DecodeCalibration:
             suffix_ms_per_layer=self.suffix_ms_per_layer(prompt_len, load),
             restore_ms_per_mib=dict(self.restore_ms_per_mib), join_ms=self.join_ms.value,
             message_ms=self.message_ms.value, link_gbps=link if self.link.samples else 0.0,
-            evidence=Evidence(self.recent.corrections(link), self.recent.measured(prompt_len, link)))
+            evidence=Evidence(self.recent.corrections(link),
+                              self.recent.measured(prompt_len, link)))
 
     def observe(self, handoff: HandoffObservation) -> float | None:
         """Learn from one completed handoff; returns its link sample in Gb/s, if it had one."""

@@ -1,4 +1,4 @@
-"""The decode worker: model, tokenizer, data-plane receiver and calibration behind `Decode.Generate`.
+"""The decode worker: model, tokenizer, data-plane receiver, calibration behind `Decode.Generate`.
 
 `admit(call)` applies this worker's limits and tokenizes; `offer(prompt_len, load, queue)` is what
 the worker tells the prefill side; `receive(transfer_id, ...)` rebuilds one handoff's cache from the
