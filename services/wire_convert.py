@@ -7,6 +7,8 @@ hand a malformed value on.
 
 from __future__ import annotations
 
+import logging
+
 from rekv_core.codecs import codec_names
 from rekv_core.handoff import Action, ActionKind, WireBytes
 from rekv_core.model.sampling import SamplingParams
@@ -16,6 +18,8 @@ from rekv_core.plan.recent import Measured
 from services.calls import Completion, DecodeOffer, GenerateCall, HandoffCall, HandoffReply
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
+
+log = logging.getLogger(__name__)
 
 
 def action_from_proto(message, num_layers: int, field: str = "forced_action") -> Action:
@@ -113,30 +117,27 @@ def handoff_request(call: HandoffCall):
     return request
 
 
-def handoff_call(request, num_layers: int) -> HandoffCall:
-    """A decode worker's `HandoffRequest`, its actions read against this worker's L."""
+def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
+    """A decode worker's `HandoffRequest` to a prefill worker serving `model` with `num_layers`.
+    Evidence entries this side cannot read (an unknown kind or codec, a cut beyond L) are left out
+    and logged: they inform the choice, they do not make the call invalid."""
     if not request.transfer_id:
         raise InvalidArgument("transfer_id: required")
     if not request.token_ids:
         raise InvalidArgument("token_ids: must not be empty")
     offer = request.offer
+    if offer.model != model or offer.num_layers != num_layers:
+        raise InvalidArgument(f"offer.model: decode runs {offer.model!r} with "
+                              f"{offer.num_layers} layers, prefill {model!r} with {num_layers}")
     if not offer.ucx_address:
         raise InvalidArgument("offer.ucx_address: required")
     unknown = [c for c in offer.codecs if c not in codec_names()]
     if unknown:
         raise InvalidArgument(f"offer.codecs: unknown codec(s) {unknown}")
-    kinds = {kind.value: kind for kind in ActionKind}
-    strange = [k for k in offer.measured_over_model if k not in kinds]
-    if strange:
-        raise InvalidArgument(f"offer.measured_over_model: unknown action kind(s) {strange}")
-    evidence = Evidence(
-        over_model={kinds[k]: ratio for k, ratio in offer.measured_over_model.items()},
-        measured={action_from_proto(m.action, num_layers, "offer.measured.action"):
-                  Measured(m.median_ms, m.median_prompt_len, m.count) for m in offer.measured})
     costs = DecodeCosts(suffix_ms_per_layer=offer.suffix_ms_per_layer,
                         restore_ms_per_mib=dict(offer.restore_ms_per_mib),
                         join_ms=offer.join_ms, message_ms=offer.message_ms,
-                        link_gbps=offer.link_gbps, evidence=evidence)
+                        link_gbps=offer.link_gbps, evidence=_evidence(offer, num_layers))
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
     return HandoffCall(
@@ -146,6 +147,25 @@ def handoff_call(request, num_layers: int) -> HandoffCall:
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs))
+
+
+def _evidence(offer, num_layers: int) -> Evidence:
+    kinds = {kind.value: kind for kind in ActionKind}
+    over_model = {}
+    for kind, ratio in offer.measured_over_model.items():
+        if kind in kinds:
+            over_model[kinds[kind]] = ratio
+        else:
+            log.warning("offer.measured_over_model: unknown action kind %r left out", kind)
+    measured = {}
+    for m in offer.measured:
+        try:
+            action = action_from_proto(m.action, num_layers, "offer.measured.action")
+        except InvalidArgument as exc:
+            log.warning("%s: left out", exc)
+            continue
+        measured[action] = Measured(m.median_ms, m.median_prompt_len, m.count)
+    return Evidence(over_model, measured)
 
 
 def handoff_response(reply: HandoffReply):

@@ -7,6 +7,7 @@ from rekv_core.model import get_preset
 from rekv_core.plan.calibration import (LINK_SAMPLE_BYTES, DecodeCalibration, DecodeCosts,
                                         HandoffObservation, PrefillCalibration)
 from rekv_core.plan.estimates import LayerCost
+from rekv_core.plan.profile import Profile
 from rekv_core.units import MiB
 
 SHAPE = get_preset("smollm2-135m")
@@ -99,3 +100,15 @@ def test_an_observation_reports_the_handoff_from_the_end_of_the_prefill():
                               HandoffTimings(h_s=0.6, x_s=0.3, r_s=0.2, j_s=0.01, total_s=0.91),
                               WireBytes(), None, prefill_s=0.5, modelled_ms=100.0)
     assert seen.handoff_s == pytest.approx(0.41) and seen.boundary_s == pytest.approx(0.1)
+
+
+def test_a_codec_the_profile_lacks_is_measured_not_taken_as_free(smollm_fp32, tmp_path):
+    profile = Profile("smollm2-135m", "cpu", "float32", 2, LayerCost([256], [2.5]),
+                      quantize_ms_per_mib={"int8": 0.4}, restore_ms_per_mib={"int8": 0.3})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    decode = DecodeCalibration.for_model(smollm_fp32, ("int8", "int4"), str(path))
+    assert decode.restore_ms_per_mib["int8"] == 0.3 and decode.restore_ms_per_mib["int4"] > 0
+    assert decode.layer_cost.at(256) == 2.5
+    prefill = PrefillCalibration.for_model(smollm_fp32, ("int8", "int4"), str(path), 10.0)
+    assert prefill.quantize_ms_per_mib["int8"] == 0.4 and prefill.quantize_ms_per_mib["int4"] > 0

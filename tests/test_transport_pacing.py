@@ -61,10 +61,12 @@ def test_send_returns_before_the_hold_and_shutdown_fails_held_flushes():
         assert link.receiver.pending()["buffered_messages"] == 0
         with pytest.raises(TimeoutError, match="request a: messages still on the wire after"):
             sender.flush("a", timeout=0.05)
+        assert sender.pending() == {"in_flight_messages": 0}  # the flush gave "a" up
+        sender.send(_msg("b", 0, MIB))
         sender.shutdown()
         sender.shutdown()
         with pytest.raises(TransportError, match="shut down"):
-            sender.flush("a", timeout=1)
+            sender.flush("b", timeout=1)
         with pytest.raises(TransportError, match="shut down"):
             sender.send(_msg("a", 2, 16))
         assert sender.pending() == {"in_flight_messages": 0}
@@ -128,3 +130,23 @@ def test_rate_must_be_positive():
     wrapped = paced(inner, 1.0)
     assert isinstance(wrapped, PacedSender)
     wrapped.shutdown()
+
+
+def test_a_flush_that_gives_up_drops_what_is_still_held():
+    """Past its timeout the request's held messages never leave, and nothing of it stays held
+    by the pacer or by the sender behind it; other requests go on."""
+    with InProcessLink() as link:
+        sender = PacedSender(link.sender, 0.4)  # 21 ms per MiB
+        for request_id in ("late", "next"):
+            link.receiver.open(request_id)
+        for i in range(4):
+            sender.send(_msg("late", i, MIB))
+        with pytest.raises(TimeoutError, match="late"):
+            sender.flush("late", timeout=0.005)
+        sender.send(_msg("next", 0, MIB))
+        sender.flush("next", timeout=10)
+        time.sleep(0.1)  # anything of "late" still held would have left by now
+        assert link.receiver.pending()["buffered_messages"] <= 1 + 1  # "late"'s first, "next"
+        assert sender.pending() == {"in_flight_messages": 0}
+        assert link.receiver.recv("next", timeout=1).seq == 0
+        sender.shutdown()

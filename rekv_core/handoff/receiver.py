@@ -158,6 +158,7 @@ class _PrefixBranch:
     def __init__(self, model: Model, inbound: _Inbound, action: Action, S: int, cache: KVCache,
                  started: float):
         self.model, self.inbound, self.action, self.cache = model, inbound, action, cache
+        self.codec = get_codec(action.codec)
         self.kv_shape = (model.shape.num_kv_heads, S, model.shape.head_dim)
         self.bytes = WireBytes()
         self.error: BaseException | None = None
@@ -179,7 +180,7 @@ class _PrefixBranch:
         self.done = time.perf_counter()
 
     def _receive_layers(self) -> None:
-        codec = get_codec(self.action.codec)
+        codec = self.codec
         for index in self.action.prefix_layers:
             message = self.inbound.expect(layer_name(index))
             encoded = EncodedKV.from_wire(message.header,

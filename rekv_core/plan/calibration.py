@@ -103,15 +103,13 @@ class DecodeCalibration:
     @classmethod
     def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str = ""
                   ) -> DecodeCalibration:
-        """From a profile file, or measured on this machine now when `profile` is empty."""
-        if profile:
-            loaded = Profile.load(profile)
-            return cls(model.shape, loaded.layer_cost,
-                       {c: ms for c, ms in loaded.restore_ms_per_mib.items() if c in codecs})
-        layer_cost = measure_layer_cost(model, lengths=STARTUP_LAYER_LENGTHS)
-        restore = {codec: measure_codec_costs(codec, model.shape, STARTUP_CODEC_LENGTH,
-                                              model.device)[1] for codec in codecs}
-        return cls(model.shape, layer_cost, restore)
+        """From a profile file, or measured on this machine now when `profile` is empty; a codec
+        the profile lacks is measured now too, never taken as free."""
+        loaded = Profile.load(profile) if profile else None
+        layer_cost = loaded.layer_cost if loaded else measure_layer_cost(
+            model, lengths=STARTUP_LAYER_LENGTHS)
+        known = loaded.restore_ms_per_mib if loaded else {}
+        return cls(model.shape, layer_cost, _codec_costs(model, codecs, known, restore=True))
 
     @property
     def link_gbps(self) -> float:
@@ -178,13 +176,10 @@ class PrefillCalibration:
     @classmethod
     def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str,
                   link_prior_gbps: float) -> PrefillCalibration:
-        """From a profile file, or measured on this machine now when `profile` is empty."""
-        if profile:
-            quantize = Profile.load(profile).quantize_ms_per_mib
-        else:
-            quantize = {codec: measure_codec_costs(codec, model.shape, STARTUP_CODEC_LENGTH,
-                                                   model.device)[0] for codec in codecs}
-        return cls(quantize, link_prior_gbps)
+        """From a profile file, or measured on this machine now when `profile` is empty; a codec
+        the profile lacks is measured now too, never taken as free."""
+        known = Profile.load(profile).quantize_ms_per_mib if profile else {}
+        return cls(_codec_costs(model, codecs, known, restore=False), link_prior_gbps)
 
     def link_gbps(self, offered_gbps: float) -> float:
         """The decode side's measurement of the link when it has one, else this side's."""
@@ -197,3 +192,12 @@ class PrefillCalibration:
 
     def observe_send(self, nbytes: int, seconds: float) -> None:
         self.send_throughput.observe(nbytes, seconds)
+
+
+def _codec_costs(model: Model, codecs: tuple[str, ...], known: dict[str, float], restore: bool
+                 ) -> dict[str, float]:
+    """Per-MiB cost of each codec (decode when `restore`, else encode): `known`'s figure where
+    it has one, else measured on this machine now."""
+    which = 1 if restore else 0
+    return {codec: known[codec] if codec in known else measure_codec_costs(
+        codec, model.shape, STARTUP_CODEC_LENGTH, model.device)[which] for codec in codecs}

@@ -6,7 +6,9 @@ and the message leaves at that `link_free_at`, so messages queue behind each oth
 `send` returns at once, as the contract requires; one forwarding thread ("rekv-pace") releases the
 held messages in order. `flush(request_id, timeout)` waits until that request's messages are
 forwarded, then flushes `inner` with the time left. An error from `inner.send` fails that request's
-flush. `pending()` counts held messages plus inner's in-flight ones. `shutdown()` stops the thread
+flush. A flush that gives up (past its timeout, or on an error) drops that request's held messages
+and makes `inner` drop what it still has for it, so nothing of it is sent later or kept.
+`pending()` counts held messages plus inner's in-flight ones. `shutdown()` stops the thread
 (messages still held are dropped, and their requests' flushes raise `TransportError`) and shuts
 `inner` down; it may be called twice. `paced(sender, gbps)` wraps only when `gbps` > 0.
 """
@@ -31,6 +33,7 @@ class PacedSender(TransportSender):
         self._held: collections.Counter[str] = collections.Counter()  # not yet forwarded
         self._errors: dict[str, Exception] = {}  # inner.send failed for these requests
         self._dropped: set[str] = set()  # messages of these requests were held at shutdown
+        self._abandoned: set[str] = set()  # their flush gave up: what is still held never leaves
         self._link_free_at = 0.0
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="rekv-pace", daemon=True)
@@ -71,26 +74,59 @@ class PacedSender(TransportSender):
             with self._cond:
                 if self._stopped:
                     return
-                if error is not None:
+                abandoned = request_id in self._abandoned
+                if error is not None and not abandoned:
                     self._errors.setdefault(request_id, error)
-                self._held[request_id] -= 1
-                if not self._held[request_id]:
-                    del self._held[request_id]
-                self._cond.notify_all()
+                self._release(request_id)
+            if abandoned:  # sent while its flush gave up: the inner sender lets go of it too
+                self._forget_inner(request_id)
+
+    def _release(self, request_id: str) -> None:
+        """One held message of `request_id` is gone (sent or dropped); call with the lock."""
+        self._held[request_id] -= 1
+        if not self._held[request_id]:
+            del self._held[request_id]
+            self._abandoned.discard(request_id)
+        self._cond.notify_all()
+
+    def _abandon(self, request_id: str) -> None:
+        """A flush gave up: drop what is still held and make the inner sender drop the rest."""
+        with self._cond:
+            kept = collections.deque(item for item in self._queue
+                                     if item[1].request_id != request_id)
+            for _ in range(len(self._queue) - len(kept)):
+                self._release(request_id)
+            self._queue = kept
+            if self._held[request_id]:  # one is being sent now: `_run` lets go of it after
+                self._abandoned.add(request_id)
+            else:
+                self._held.pop(request_id, None)
+            self._errors.pop(request_id, None)
+        self._forget_inner(request_id)
+
+    def _forget_inner(self, request_id: str) -> None:
+        try:
+            self.inner.flush(request_id, 0)
+        except (TimeoutError, TransportError):
+            pass  # the inner sender cancelled what it still had: the outcome wanted here
 
     def flush(self, request_id: str, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            if not self._cond.wait_for(
-                    lambda: not self._held[request_id] or request_id in self._dropped, timeout):
-                raise TimeoutError(f"request {request_id}: messages still on the wire after "
-                                   f"{timeout} s")
+            done = self._cond.wait_for(
+                lambda: not self._held[request_id] or request_id in self._dropped, timeout)
+        if not done:
+            self._abandon(request_id)
+            raise TimeoutError(f"request {request_id}: messages still on the wire after "
+                               f"{timeout} s")
+        with self._cond:
             if request_id in self._dropped:
                 self._dropped.discard(request_id)
                 raise TransportError(f"request {request_id}: paced sender shut down with "
                                      f"messages held")
             error = self._errors.pop(request_id, None)
         if error is not None:
+            self._abandon(request_id)
             raise TransportError(f"request {request_id}: send failed: {error}") from error
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:

@@ -119,7 +119,12 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                 worker.receiver.abort(transfer_id)  # wakes the receiving thread
                 return await self._fallback(ids, capacity, receiving, began,
                                             f"prefill: {exc.code().name}: {exc.details()}")
-            reply = wire_convert.handoff_reply(response, worker.shape.num_layers)
+            try:
+                reply = wire_convert.handoff_reply(response, worker.shape.num_layers)
+            except InvalidArgument as exc:  # the peer's answer, not the caller's request
+                worker.receiver.abort(transfer_id)
+                return await self._fallback(ids, capacity, receiving, began,
+                                            f"prefill: unreadable reply: {exc}")
             try:
                 result = await receiving  # 5
             except Exception as exc:  # a broken data plane: never decode from it

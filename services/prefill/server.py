@@ -43,7 +43,8 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         started = time.perf_counter()
         metrics.in_flight.inc()
         try:
-            call = wire_convert.handoff_call(request, worker.shape.num_layers)  # 1
+            call = wire_convert.handoff_call(request, worker.shape.name,  # 1
+                                             worker.shape.num_layers)
             worker.check(call)
             decision = worker.decide(call)  # 2
             sent = await asyncio.to_thread(worker.handoff, call, decision.action,  # 3, 4
@@ -65,11 +66,11 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                             report.bytes)
         log.info("request=%s transfer=%s tokens=%d action=%s predicted_ms=%.1f prefill_ms=%.1f "
                  "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
-                 "top=%s total_ms=%.1f",
+                 "send_gbps=%.3f top=%s total_ms=%.1f",
                  call.request_id, call.transfer_id, len(call.token_ids), decision.action,
                  decision.predicted_ms, sent.prefill_s * 1e3, report.quantize_seconds * 1e3,
                  sent.send_s * 1e3, report.bytes.total, decision.inputs.link_gbps,
-                 call.offer.costs.link_gbps,
+                 call.offer.costs.link_gbps, worker.calibration.send_throughput.gbps,
                  ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}"
                           for p, ms in decision.candidates[:4]),
                  (time.perf_counter() - started) * 1e3)

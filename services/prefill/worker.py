@@ -49,7 +49,7 @@ class PrefillWorker(Worker):
             lambda: self.senders.pending()["in_flight_messages"])
 
     def check(self, call: HandoffCall) -> None:
-        """This worker's limits and model; INVALID_ARGUMENT naming the field."""
+        """This worker's limits; INVALID_ARGUMENT naming the field."""
         if len(call.token_ids) > self.settings.max_prompt_tokens:
             raise InvalidArgument(f"token_ids: {len(call.token_ids)} tokens exceed the limit "
                                   f"of {self.settings.max_prompt_tokens}")
@@ -57,11 +57,6 @@ class PrefillWorker(Worker):
         bad = next((t for t in call.token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary [0, {vocab})")
-        offer = call.offer
-        if offer.model != self.shape.name or offer.num_layers != self.shape.num_layers:
-            raise InvalidArgument(f"offer.model: decode runs {offer.model!r} with "
-                                  f"{offer.num_layers} layers, prefill {self.shape.name!r} with "
-                                  f"{self.shape.num_layers}")
 
     def decide(self, call: HandoffCall) -> Decision:
         costs = call.offer.costs

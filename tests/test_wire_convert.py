@@ -1,0 +1,61 @@
+"""The one module that reads and builds protobuf messages: values survive the round trip, and
+what a peer sends is checked field by field."""
+
+import pytest
+
+from rekv_core.handoff import Action, ActionKind
+from rekv_core.plan.calibration import DecodeCosts
+from rekv_core.plan.planner import Evidence
+from rekv_core.plan.recent import Measured
+from services import wire_convert
+from services.calls import DecodeOffer, HandoffCall
+from services.errors import InvalidArgument
+
+L = 30
+
+
+def _call(**offer_changes) -> HandoffCall:
+    evidence = Evidence({ActionKind.JOINT: 1.2},
+                        {Action("int8", 21, L): Measured(95.0, 1000, 4),
+                         Action.full_bf16(L): Measured(140.0, 1024, 3)})
+    costs = DecodeCosts(suffix_ms_per_layer=3.5, restore_ms_per_mib={"int8": 0.2},
+                        join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence)
+    offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
+                 codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs)
+    offer.update(offer_changes)
+    return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L))
+
+
+def test_a_handoff_call_survives_the_wire():
+    call = _call()
+    assert wire_convert.handoff_call(wire_convert.handoff_request(call), "smollm2-135m",
+                                     L) == call
+
+
+def test_another_model_is_named_before_anything_read_against_it():
+    request = wire_convert.handoff_request(_call(model="qwen3-8b", num_layers=36))
+    with pytest.raises(InvalidArgument, match="^offer.model: decode runs 'qwen3-8b' with 36"):
+        wire_convert.handoff_call(request, "smollm2-135m", L)
+
+
+def test_unreadable_evidence_is_left_out_not_fatal():
+    request = wire_convert.handoff_request(_call())
+    request.offer.measured_over_model["warp_drive"] = 3.0
+    request.offer.measured[0].action.codec = "int3"
+    call = wire_convert.handoff_call(request, "smollm2-135m", L)
+    assert call.offer.costs.evidence.over_model == {ActionKind.JOINT: 1.2}
+    assert list(call.offer.costs.evidence.measured) == [Action.full_bf16(L)]
+
+
+@pytest.mark.parametrize("change,field", [
+    (lambda r: r.ClearField("transfer_id"), "transfer_id"),
+    (lambda r: r.ClearField("token_ids"), "token_ids"),
+    (lambda r: r.offer.ClearField("ucx_address"), "offer.ucx_address"),
+    (lambda r: r.offer.codecs.append("int3"), "offer.codecs"),
+    (lambda r: setattr(r.forced_action, "cut", 31), "forced_action.cut"),
+])
+def test_a_malformed_call_names_its_field(change, field):
+    request = wire_convert.handoff_request(_call())
+    change(request)
+    with pytest.raises(InvalidArgument, match=f"^{field}"):
+        wire_convert.handoff_call(request, "smollm2-135m", L)
