@@ -140,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rekv_core.model.shapes import get_preset
-    from rekv_core.plan import CostInputs
+    from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
     from rekv_core.plan.policy import Policy, shipped_policy
     from rekv_core.plan.profile import Profile, shipped_profile
@@ -153,9 +153,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     policy = Policy.load(args.policy) if args.policy else shipped_policy(args.model)
     if args.prompt_len < 1:
         raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
-    inputs = CostInputs(shape, args.prompt_len, args.link_gbps,
-                        profile.layer_cost.at(args.prompt_len) * max(1, args.load),
-                        profile.quantize_ms_per_mib, profile.restore_ms_per_mib)
+    # the two workers as the profile describes them, fresh: no handoff seen, the link as given
+    costs = DecodeCalibration(shape, profile.layer_cost, profile.restore_ms_per_mib).offer(
+        args.prompt_len, args.load)
+    inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps).cost_inputs(
+        shape, args.prompt_len, costs)
     decision = Planner(policy).decide(inputs, args.codecs)
     if args.json:
         print(json.dumps(decision.as_dict()))

@@ -56,12 +56,6 @@ class ServiceMetrics:
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
 
-    def count_bytes(self, wire: WireBytes) -> None:
-        for kind in BYTE_KINDS:
-            amount = getattr(wire, kind)
-            if amount:
-                self.bytes.labels(kind).inc(amount)
-
     def record_received(self, handoff: HandoffObservation, predicted_ms: float) -> None:
         """The decode side of one completed handoff."""
         t, action = handoff.timings, handoff.action
@@ -70,8 +64,7 @@ class ServiceMetrics:
         self.prefix.observe(t.x_s)
         self.suffix.observe(t.r_s)
         self.join.observe(t.j_s)
-        self.count_bytes(handoff.wire)
-        self.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
+        self._count(action, handoff.wire)
         if predicted_ms > 0:
             self.prediction_error.observe(handoff.handoff_s * 1e3 / predicted_ms)
 
@@ -81,7 +74,13 @@ class ServiceMetrics:
         self.handoff.observe(send_s)
         self.prefill.observe(prefill_s)
         self.quantize.observe(quantize_s)
-        self.count_bytes(wire)
+        self._count(action, wire)
+
+    def _count(self, action: Action, wire: WireBytes) -> None:
+        for kind in BYTE_KINDS:
+            amount = getattr(wire, kind)
+            if amount:
+                self.bytes.labels(kind).inc(amount)
         self.requests.labels(action.kind.value, action.codec, str(action.cut)).inc()
 
     def serve(self, host: str, port: int) -> int:

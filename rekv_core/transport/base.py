@@ -122,11 +122,13 @@ class TransportReceiver(ABC):
 
 
 class SenderPool(ABC):
-    """One sender per receiver address, made by `_connect` on first use of `to` and reused.
+    """One sender per receiver address, made by `_connect` on first use of `to` and reused; with
+    `pace_gbps` > 0 each is put behind a `pacing.PacedSender` of that rate.
 
     Implementations provide `_connect(address)`; `to`, `pending` and `shutdown` are shared."""
 
-    def __init__(self):
+    def __init__(self, pace_gbps: float = 0.0):
+        self.pace_gbps = pace_gbps
         self._senders: dict[str, TransportSender] = {}
         self._lock = threading.Lock()
         self._shut = False
@@ -141,7 +143,9 @@ class SenderPool(ABC):
                 raise TransportError("sender pool: shut down")
             sender = self._senders.get(address)
             if sender is None:
-                sender = self._senders[address] = self._connect(address)
+                from rekv_core.transport.pacing import paced  # pacing builds on this module
+
+                sender = self._senders[address] = paced(self._connect(address), self.pace_gbps)
             return sender
 
     def pending(self) -> dict[str, int]:

@@ -15,7 +15,6 @@ import threading
 
 from rekv_core.transport.base import Message, SenderPool, TransportReceiver, TransportSender
 from rekv_core.transport.inprocess import InProcessLink
-from rekv_core.transport.pacing import paced
 
 _links: dict[str, InProcessLink] = {}
 _numbers = itertools.count(1)
@@ -55,13 +54,9 @@ class RegisteredReceiver(TransportReceiver):
 
 
 class InProcessSenderPool(SenderPool):
-    def __init__(self, pace_gbps: float = 0.0):
-        super().__init__()
-        self.pace_gbps = pace_gbps
-
     def _connect(self, address: str) -> TransportSender:
         with _links_lock:
             link = _links.get(address)
         if link is None:
             raise ValueError(f"address: no in-process receiver is registered under {address!r}")
-        return paced(link.sender, self.pace_gbps)
+        return link.sender

@@ -16,7 +16,6 @@ import time
 import torch
 
 from rekv_core.transport.base import Message, SenderPool, TransportError, TransportSender
-from rekv_core.transport.pacing import paced
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import (check_buffer_count, encode_frame, message_tag,
                                              wire_view)
@@ -94,10 +93,9 @@ class UcxSenderPool(SenderPool):
 
     def __init__(self, engine: UcxEngine, connect_timeout: float = 10.0, pace_gbps: float = 0.0,
                  shared_engine: bool = False):
-        super().__init__()
+        super().__init__(pace_gbps)
         self._engine = engine
         self.connect_timeout = connect_timeout
-        self.pace_gbps = pace_gbps
         self._shared_engine = shared_engine
 
     @property
@@ -105,7 +103,7 @@ class UcxSenderPool(SenderPool):
         return self._engine
 
     def _connect(self, address: str) -> TransportSender:
-        return paced(UcxSender(self._engine, address, self.connect_timeout), self.pace_gbps)
+        return UcxSender(self._engine, address, self.connect_timeout)
 
     def shutdown(self) -> None:
         with self._lock:
