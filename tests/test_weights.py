@@ -1,5 +1,6 @@
 """Weight sources and the errors they raise on bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -120,3 +121,24 @@ def test_runtime_settings_validate_and_read_the_environment(monkeypatch):
         RuntimeSettings(device="tpu")
     with pytest.raises(ValueError, match="CUDA runs bfloat16"):
         RuntimeSettings(device="cuda:0", dtype="float32")
+
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-3b", "qwen3-8b"])  # Q/K/V biases; q/k norms
+def test_fused_projections_keep_every_weight_as_a_view(preset):
+    shape = dataclasses.replace(get_preset(preset), num_layers=2, hidden_size=256, num_heads=4,
+                                num_kv_heads=2, head_dim=64, ffn_size=512, vocab_size=300)
+    weights = synthetic_weights(shape)
+    before = [{name: getattr(lw, name).clone() for name in expected_layer_shapes(shape)}
+              for lw in weights.layers]
+    model = Model(weights)
+    Model(weights)  # fusing again changes nothing
+    for lw, original in zip(model.weights.layers, before):
+        assert lw.wqkv.shape == (shape.q_size + 2 * shape.kv_size, shape.hidden_size)
+        assert lw.w_gate_up.shape == (2 * shape.ffn_size, shape.hidden_size)
+        assert (lw.bqkv is not None) == shape.qkv_bias
+        for name, tensor in original.items():
+            assert torch.equal(getattr(lw, name), tensor), name
+        for name, fused in (("wq", "wqkv"), ("wv", "wqkv"), ("w_up", "w_gate_up")):
+            assert getattr(lw, name).untyped_storage().data_ptr() == \
+                getattr(lw, fused).untyped_storage().data_ptr(), name

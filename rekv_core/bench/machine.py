@@ -22,11 +22,13 @@ def cpu_model() -> str:
 
 
 def git_commit() -> str | None:
+    """This checkout's commit; where there is no git repository (a copy of the tree on a lent
+    machine), the `REKV_COMMIT` environment variable the caller set."""
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return None
+        return os.environ.get("REKV_COMMIT")
 
 
 def machine_info(device: torch.device, dtype: torch.dtype, threads: int) -> dict:

@@ -6,7 +6,10 @@ opened request and always ends it: `close` after success, `abort` after any fail
 - `overlap` (eq. 9): as soon as h_c arrives, layers c..L−1 run on this thread while a second
   thread receives and decodes the prefix layers into the cache; both join before the result. On
   CUDA the prefix thread copies and dequantizes on its own stream, and the join makes the compute
-  stream wait on that stream's event, so the two paths overlap on the device as well.
+  stream wait on that stream's event, so the two paths overlap on the device as well. That stream
+  starts after the cache's allocation and zeroing on the compute stream, and waits for each
+  message's `ready` event before reading its buffers (`rekv_core.streams`); so does the compute
+  stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
 Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
@@ -21,13 +24,13 @@ receiving thread, so later arrivals time the machine, not the wire.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from rekv_core import streams
 from rekv_core.codecs import EncodedKV, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
@@ -88,6 +91,7 @@ def _bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torc
     if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
         got = None if buf is None else buf.numel()
         raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
+    streams.wait_ready(message.ready, [buf])
     return buf.view(torch.bfloat16).reshape(shape).to(model.device, model.dtype)
 
 
@@ -165,24 +169,27 @@ class _PrefixBranch:
         self.done = started
         self.decoding_began: float | None = None  # the first restore that computes
         self.cuda = model.device.type == "cuda"
-        self.stream = torch.cuda.Stream(model.device) if self.cuda else None
+        self.stream = streams.side_stream(model.device)
+        streams.follow(self.stream, model.device)  # the cache is allocated and zeroed first
         self.ready = torch.cuda.Event() if self.cuda else None
 
     def run(self) -> None:
         try:
-            with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
+            with streams.on_stream(self.stream):
                 self._receive_layers()
                 if self.cuda:
                     self.ready.record(self.stream)
-                    self.stream.synchronize()
         except BaseException as exc:  # re-raised on the calling thread after the join
             self.error = exc
+        finally:
+            streams.settle(self.stream)  # even after a failure nothing may write into the cache
         self.done = time.perf_counter()
 
     def _receive_layers(self) -> None:
         codec = self.codec
         for index in self.action.prefix_layers:
             message = self.inbound.expect(layer_name(index))
+            streams.wait_ready(message.ready, message.buffers.values())
             encoded = EncodedKV.from_wire(message.header,
                                           _on_device(message.buffers, self.model.device))
             if tuple(encoded.shape) != self.kv_shape:

@@ -7,6 +7,9 @@ while layer 1 is being quantized; for transfer-only, the last position's final h
 It returns the seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened
 the request first. `state.keys`/`state.values` are only indexed in layer order, so a producer that
 yields layers while the prefill still runs can stand in for a finished `PrefillOutput`.
+
+On CUDA the encoding runs on a stream of its own that first waits for the caller's stream (where
+the prefill ran), and every message carries the `ready` event of its buffers (`rekv_core.streams`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core import streams
 from rekv_core.codecs import get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name, tensor_bytes
@@ -35,13 +39,27 @@ class SenderReport:
 def send_handoff(transport: TransportSender, request_id: str, action: Action, shape: ModelShape,
                  token_ids: Sequence[int], state: PrefillOutput, flush_timeout: float = 60.0
                  ) -> SenderReport:
+    device = state.keys[0].device if state.keys else None
+    stream = streams.side_stream(device)
+    streams.follow(stream, device)
+    try:
+        with streams.on_stream(stream):
+            return _send(transport, request_id, action, shape, token_ids, state, flush_timeout)
+    finally:
+        streams.settle(stream)  # the caller may free `state` once this returns, even on failure
+
+
+def _send(transport: TransportSender, request_id: str, action: Action, shape: ModelShape,
+          token_ids: Sequence[int], state: PrefillOutput, flush_timeout: float) -> SenderReport:
     seq_len = len(token_ids)
     seq = 0
     sent = WireBytes()
 
     def send(name: str, header: bytes = b"", buffers: dict | None = None) -> None:
         nonlocal seq
-        transport.send(Message(request_id, seq, name, header, buffers or {}))
+        buffers = buffers or {}
+        transport.send(Message(request_id, seq, name, header, buffers,
+                               ready=streams.record_ready(buffers.values())))
         seq += 1
 
     send(PLAN, Plan.of(action, shape, seq_len).to_bytes())

@@ -1,14 +1,16 @@
-"""Quantizer kernels, each beside its PyTorch reference.
+"""Quantizer and checksum kernels, each beside its PyTorch reference.
 
-`quantize_groupwise` / `dequantize_groupwise` pick the backend: the Triton kernel for CUDA tensors,
-the PyTorch reference otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
-`TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only when used.
+`quantize_groupwise` / `dequantize_groupwise` and `wsum64` pick the backend: the Triton kernel for
+CUDA tensors, the PyTorch reference otherwise; `backend="triton"` forces the kernel (on the CPU it
+then needs `TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only
+when used.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rekv_core.kernels.checksum_reference import wsum64_reference
 from rekv_core.kernels.groupwise_reference import (GROUP_SIZE, dequantize_reference,
                                                    quantize_reference)
 
@@ -38,4 +40,13 @@ def dequantize_groupwise(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     return dequantize_reference(codes, scales, bits, shape, dtype)
 
 
-__all__ = ["BACKENDS", "GROUP_SIZE", "dequantize_groupwise", "quantize_groupwise"]
+def wsum64(buffer: torch.Tensor, backend: str = "auto") -> int:
+    """The `wsum64` checksum of a 1-D uint8 tensor (contract in `checksum_reference.py`); the Triton
+    kernel needs it contiguous."""
+    if _use_triton(buffer.device, backend):
+        from rekv_core.kernels.checksum_triton import wsum64_triton
+        return wsum64_triton(buffer)
+    return wsum64_reference(buffer)
+
+
+__all__ = ["BACKENDS", "GROUP_SIZE", "dequantize_groupwise", "quantize_groupwise", "wsum64"]

@@ -9,7 +9,9 @@ The three operations the handoff needs:
   [0, S) and returns those layers' K, V and the last logits. Given the `h_c` that `prefill` produced,
   on the same device and dtype, its K and V are bit-identical to the prefill's: both go through
   `iter_layers`, the same kernels on the same shapes.
-- `decode_step(model, token_id, cache)` appends one token to a `KVCache` and returns its logits.
+- `decode_step(model, token_id, cache)` appends one token to a `KVCache` and returns its logits;
+  `decode_steps(model, cache)` gives the fastest step this device has for one sequence (on CUDA a
+  graph replay, `static_decode`).
 
 `iter_layers` yields layer by layer, so a caller can stream a layer's KV while later layers still
 compute, or stop early at a cut. Shapes: h `[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits
@@ -18,7 +20,7 @@ compute, or stop early at a cut. Shapes: h `[S, d]`; K, V per layer `[n_kv, S, d
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import math
@@ -50,9 +52,11 @@ def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
 
 
 class Model:
-    """Weights plus the derived tables the executor needs (RoPE frequencies)."""
+    """Weights plus the derived tables the executor needs (RoPE frequencies). Each layer's Q, K, V
+    and its gate, up projections are fused into one GEMM each (`LayerWeights.fuse`)."""
 
     def __init__(self, weights: ModelWeights):
+        weights.fuse_projections()
         self.weights = weights
         self.shape = weights.shape
         self.inv_freq = rope_inv_freq(self.shape).to(weights.device)
@@ -105,9 +109,11 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = model.shape
     s = x.shape[0]
-    q = F.linear(x, lw.wq, lw.bq).view(s, shape.num_heads, shape.head_dim)
-    k = F.linear(x, lw.wk, lw.bk).view(s, shape.num_kv_heads, shape.head_dim)
-    v = F.linear(x, lw.wv, lw.bv).view(s, shape.num_kv_heads, shape.head_dim)
+    q, k, v = F.linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
+                                                   dim=-1)
+    q = q.view(s, shape.num_heads, shape.head_dim)
+    k = k.view(s, shape.num_kv_heads, shape.head_dim)
+    v = v.view(s, shape.num_kv_heads, shape.head_dim)
     if shape.qk_norm:
         q = rms_norm(q, lw.q_norm, shape.rms_eps)
         k = rms_norm(k, lw.k_norm, shape.rms_eps)
@@ -126,27 +132,29 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool =
 
 
 def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, lw.w_gate)) * F.linear(x, lw.w_up), lw.w_down)
+    gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, lw.w_down)
+
+
+KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           cache: KVCache | None = None, start: int = 0, mask: torch.Tensor | None = None
+           store: KVStore | None = None, mask: torch.Tensor | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one transformer layer body: attention, then MLP, each around a residual.
 
-    h `[n, d]` holds positions [start, start + n). Without a cache the n positions attend to each
-    other causally (prefill, suffix recompute). With one, K and V are written at `start` and the
-    positions attend to the cache's first start + n: through `mask` `[n, start + n]` (True:
-    attend), or to all of them when it is None (one new token). Returns h_out, K, V `[n_kv, n,
-    d_h]`."""
+    Without a `store` the n positions of h `[n, d]` attend to each other causally (prefill, suffix
+    recompute). With one, `store(index, K, V)` keeps the new K and V in a cache and returns the
+    keys and values to attend to, through `mask` `[n, keys]` (True: attend), or to all of them
+    when it is None. Returns h_out, K, V `[n_kv, n, d_h]`."""
     lw = model.weights.layers[index]
     eps = model.shape.rms_eps
     q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
-    if cache is None:
+    if store is None:
         out = _attend(q, k, v, is_causal=True)
     else:
-        cache.write(index, start, k, v)
-        k_all, v_all = cache.layer(index, start + h.shape[0])
+        k_all, v_all = store(index, k, v)
         out = _attend(q, k_all, v_all, mask=mask)
     h = h + F.linear(out, lw.wo)
     h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
@@ -257,8 +265,13 @@ def _append(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCach
     # one token attends to the whole cache; several attend causally among themselves
     mask = None if n == 1 else (torch.arange(pos + n, device=model.device)[None, :]
                                 <= torch.arange(pos, pos + n, device=model.device)[:, None])
+
+    def store(index: int, k: torch.Tensor, v: torch.Tensor):
+        cache.write(index, pos, k, v)
+        return cache.layer(index, pos + n)
+
     for index in range(model.shape.num_layers):
-        h, _, _ = _layer(model, index, h, cos, sin, cache, pos, mask)
+        h, _, _ = _layer(model, index, h, cos, sin, store, mask)
     cache.length = pos + n
     return h
 
@@ -287,7 +300,8 @@ def greedy_generate(model: Model, token_ids: Sequence[int], max_new_tokens: int,
 
 def decode_greedy(model: Model, first_logits: torch.Tensor, cache: KVCache, max_new_tokens: int,
                   eos_token_id: int | None = None) -> list[int]:
-    """Greedy continuation from the first-token logits of a filled cache."""
+    """Greedy continuation from the first-token logits of a filled cache (`decode_steps`)."""
+    step = decode_steps(model, cache)
     tokens: list[int] = []
     logits = first_logits
     for _ in range(max_new_tokens):
@@ -295,5 +309,15 @@ def decode_greedy(model: Model, first_logits: torch.Tensor, cache: KVCache, max_
         tokens.append(token)
         if token == eos_token_id or len(tokens) == max_new_tokens:
             break
-        logits = decode_step(model, token, cache)
+        logits = step(token)
     return tokens
+
+
+def decode_steps(model: Model, cache: KVCache) -> Callable[[int], torch.Tensor]:
+    """One sequence's decode step, token id -> logits: replays of a CUDA graph on a GPU
+    (`static_decode.StaticDecoder`), `decode_step` elsewhere."""
+    if model.device.type == "cuda":
+        from rekv_core.model.static_decode import StaticDecoder  # it builds on this module
+
+        return StaticDecoder(model, cache).step
+    return lambda token: decode_step(model, token, cache)

@@ -44,6 +44,23 @@ class LayerWeights:
     bv: torch.Tensor | None = None
     q_norm: torch.Tensor | None = None  # Qwen3 only: [d_h]
     k_norm: torch.Tensor | None = None
+    wqkv: torch.Tensor | None = None  # [q + 2·kv, d]: wq, wk, wv stacked by `fuse`
+    bqkv: torch.Tensor | None = None
+    w_gate_up: torch.Tensor | None = None  # [2·ffn, d]: w_gate, w_up stacked by `fuse`
+
+    def fuse(self) -> None:
+        """Stack Q, K, V into one weight and gate, up into another, so each is one GEMM; the
+        separate tensors become views of the stacked ones (no extra memory). Idempotent."""
+        if self.wqkv is not None:
+            return
+        sizes = [self.wq.shape[0], self.wk.shape[0], self.wv.shape[0]]
+        self.wqkv = torch.cat((self.wq, self.wk, self.wv))
+        self.wq, self.wk, self.wv = self.wqkv.split(sizes)
+        if self.bq is not None:
+            self.bqkv = torch.cat((self.bq, self.bk, self.bv))
+            self.bq, self.bk, self.bv = self.bqkv.split(sizes)
+        self.w_gate_up = torch.cat((self.w_gate, self.w_up))
+        self.w_gate, self.w_up = self.w_gate_up.chunk(2)
 
 
 @dataclass
@@ -57,6 +74,11 @@ class ModelWeights:
     @property
     def dtype(self) -> torch.dtype:
         return self.embed.dtype
+
+    def fuse_projections(self) -> None:
+        """`LayerWeights.fuse` for every layer (a layer shared by several is fused once)."""
+        for layer in {id(lw): lw for lw in self.layers}.values():
+            layer.fuse()
 
     @property
     def device(self) -> torch.device:

@@ -6,6 +6,12 @@ named 1-D uint8 buffers. The transport moves bytes and knows nothing of models o
 receiving transport that crosses a real wire stamps each message with its `arrival` (see
 `arrivals`), from which the receiver's user may estimate the link.
 
+Device buffers follow the stream discipline of `rekv_core.streams`: a message whose buffers live
+on a CUDA device carries `ready`, an event recorded after the work that produced them; a transport
+never reads them before that event (its copies wait for it on a stream of their own, a NIC's DMA
+waits for it on the host), and whoever reads a received message's buffers on a stream first waits
+for its `ready` there (`streams.wait_ready`). Host buffers need no event.
+
 Which side calls what:
 
 - receiver (decode side), one per process, made by `factory.create_receiver`: its `address` is
@@ -73,6 +79,7 @@ class Message:
     header: bytes = b""
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
     arrival: Arrival | None = None  # set by receiving transports that time the wire
+    ready: torch.cuda.Event | None = None  # device buffers: after the work that produced them
 
     @property
     def payload_bytes(self) -> int:

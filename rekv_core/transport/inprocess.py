@@ -4,7 +4,10 @@
 contract). A single wire thread serializes messages in send order: each one occupies the link for
 nbytes·8 / bandwidth seconds (it is copied during that time, as a real transfer would, so the
 receiver never aliases the sender's memory), then becomes visible to the receiver `latency_s` later;
-latency is pipelined, bandwidth is not. `bandwidth_gbps=None` means an unthrottled copy.
+latency is pipelined, bandwidth is not. `bandwidth_gbps=None` means an unthrottled copy. Device
+buffers are copied as a NIC would move them (`rekv_core.streams`): on a stream of the link's own,
+after the message's `ready` event, and the copy is complete before the message is delivered with a
+`ready` event of its own.
 
 `fault`, when given, sees every message leaving the wire and returns the messages to deliver
 instead: tests use it to drop, duplicate, truncate or misroute payloads. `close()` stops and joins
@@ -19,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from rekv_core import streams
 from rekv_core.transport.base import (Message, TransportError, TransportReceiver,
                                       TransportSender)
 
@@ -40,6 +44,7 @@ class InProcessLink:
         self.sender = _InProcessSender(self)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
+        self._streams = _CopyStreams()
         self._wire = threading.Thread(target=self._run, name="rekv-inprocess-wire", daemon=True)
         self._wire.start()
 
@@ -55,8 +60,7 @@ class InProcessLink:
                 continue  # discarded: stays in the sender's in-flight count, so flush fails
             message: Message = item
             start = time.perf_counter()
-            copy = Message(message.request_id, message.seq, message.name, bytes(message.header),
-                           {name: b.clone() for name, b in message.buffers.items()})
+            copy = self._copy(message)
             remaining = self.wire_seconds(message.nbytes) - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
@@ -64,6 +68,17 @@ class InProcessLink:
             for delivered in (self.fault(copy) if self.fault else [copy]):
                 self.receiver._deliver(delivered, visible_at)
             self.sender._done(message.request_id)
+
+    def _copy(self, message: Message) -> Message:
+        buffers = list(message.buffers.values())
+        stream = self._streams.get(next((b.device for b in buffers if b.is_cuda), None))
+        with streams.on_stream(stream):
+            streams.wait_ready(message.ready, buffers)
+            copies = {name: b.clone() for name, b in message.buffers.items()}
+            ready = streams.record_ready(copies.values())
+        streams.host_wait(ready)  # the wire is busy until the bytes have landed
+        return Message(message.request_id, message.seq, message.name, bytes(message.header),
+                       copies, ready=ready)
 
     def close(self) -> None:
         if self._closed:
@@ -78,6 +93,20 @@ class InProcessLink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _CopyStreams:
+    """The link's own copy stream per CUDA device, made on first use (wire thread only)."""
+
+    def __init__(self):
+        self._by_device: dict = {}
+
+    def get(self, device):
+        if device is None:
+            return None
+        if device not in self._by_device:
+            self._by_device[device] = streams.side_stream(device)
+        return self._by_device[device]
 
 
 class _InProcessSender(TransportSender):

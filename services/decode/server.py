@@ -172,6 +172,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         logits = handed.logits
         tokens: list[int] = []
         text_so_far, ttft, finish = "", None, "length"
+        step = worker.decoder(handed.cache)
         while True:  # 7
             token = sampler(logits)
             tokens.append(token)
@@ -186,7 +187,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                 break
             if len(tokens) >= call.max_new_tokens:
                 break
-            logits = await asyncio.to_thread(worker.decode_step, token, handed.cache)
+            logits = await asyncio.to_thread(step, token)
         total = time.perf_counter() - arrived  # 8
         self.metrics.request.observe(total)
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,

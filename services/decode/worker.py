@@ -3,16 +3,19 @@
 `admit(call)` applies this worker's limits and tokenizes; `offer(prompt_len, load, queue)` is what
 the worker tells the prefill side; `receive(transfer_id, ...)` rebuilds one handoff's cache from the
 data plane (the transfer must be opened on `receiver` first); `recompute(ids, capacity)` is the
-fallback that builds the cache here from the token ids; `decode_step` generates one token.
+fallback that builds the cache here from the token ids; `decoder(cache)` gives a request's decode
+step.
 Thread-safe: the blocking methods run on worker threads.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from rekv_core.handoff import HandoffResult, receive_handoff
-from rekv_core.model import KVCache, decode_step, prefill
+from rekv_core.model import KVCache, decode_steps, prefill
 from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.transport import create_receiver
@@ -84,8 +87,9 @@ class DecodeWorker(Worker):
         out = prefill(self.model, ids, boundaries=())
         return KVCache.from_layers(out.keys, out.values, capacity), out.logits
 
-    def decode_step(self, token: int, cache: KVCache) -> torch.Tensor:
-        return decode_step(self.model, token, cache)
+    def decoder(self, cache: KVCache) -> Callable[[int], torch.Tensor]:
+        """One request's decode step, token id -> logits (on a GPU a CUDA graph's replays)."""
+        return decode_steps(self.model, cache)
 
     def close(self) -> None:
         self.receiver.shutdown()

@@ -13,6 +13,12 @@ A request moves through `ReceiveState`: OPEN until `close` (CLOSED: the reader s
 takes and discards the remaining messages in order, so the sender's pending sends complete and UCX
 holds no unexpected data for it; they count as `strays`; then CLOSED). `shutdown()` closes every
 request, the endpoints and the listener, and gives back a shared engine.
+
+Device buffers land in memory allocated on a landing stream of the receiver's own, on which no
+kernel ever runs: UCX writes outside every stream's order, so that memory must not come from a
+stream that may still have queued work on it. UCX completes a receive only once the bytes are in
+place, so a received message needs no `ready` event; its reader marks the buffers as used by its
+own stream (`rekv_core.streams.wait_ready`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core import streams
 from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.base import Message, ReceiveState, TransportError, TransportReceiver
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
@@ -96,6 +103,7 @@ class UcxReceiver(TransportReceiver):
         self._engine = engine
         self._shared_engine = shared_engine
         self._device = torch.device(device)
+        self._landing = streams.side_stream(self._device)
         self.drain_seconds = drain_seconds
         self.prefetch = prefetch
         self._endpoints: list = []
@@ -219,7 +227,8 @@ class UcxReceiver(TransportReceiver):
         buffers, receives = {}, []
         for part, (name, nbytes, kind) in enumerate(meta["buffers"], start=1):
             where = device or (self._device if kind == "cuda" else torch.device("cpu"))
-            buf = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
+            with streams.on_stream(self._landing if where.type == "cuda" else None):
+                buf = torch.empty(int(nbytes), dtype=torch.uint8, device=where)
             buffers[name] = buf
             if nbytes:
                 receives.append(_recv_tag(wire_view(buf), message_tag(request_id, seq, part)))

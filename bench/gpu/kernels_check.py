@@ -1,0 +1,103 @@
+"""Every Triton kernel against its PyTorch reference, at the sizes a GPU serves.
+
+    python bench/gpu/kernels_check.py [--device cuda] [--dry-run] [--json FILE]
+
+For each K/V shape `[n_kv, S, d_h]` (the presets' layer shapes at 1 to 8,192 tokens; `--dry-run`:
+a few small ones, for the CPU under TRITON_INTERPRET=1) and each of INT8 and INT4: the Triton
+quantizer's codes and scales equal the reference's byte for byte, and the Triton dequantizer's
+output equals the reference's bit for bit, both run on the same device from the same input; the
+Triton `wsum64` checksum equals the reference's on the code buffers and on the raw BF16 bytes. The
+reference runs on the same device as the kernel (torch ops), so the check is of the kernels, not of
+two devices' arithmetic. Exits 1 on the first mismatch class found (after checking everything),
+naming each failing case; `--json` writes every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from rekv_core.kernels.checksum_reference import wsum64_reference  # noqa: E402
+from rekv_core.kernels.checksum_triton import wsum64_triton  # noqa: E402
+from rekv_core.kernels.groupwise_reference import (dequantize_reference,  # noqa: E402
+                                                   quantize_reference)
+from rekv_core.kernels.groupwise_triton import dequantize_triton, quantize_triton  # noqa: E402
+from rekv_core.model.shapes import get_preset  # noqa: E402
+
+PRESETS = ("qwen2.5-7b", "qwen2.5-3b", "qwen3-8b")
+LENGTHS = (1, 7, 64, 1000, 2048, 8192)
+DRY_SHAPES = ((1, 1, 64), (2, 5, 64), (3, 33, 128))
+
+
+def shapes(dry_run: bool) -> list[tuple[int, int, int]]:
+    if dry_run:
+        return list(DRY_SHAPES)
+    found = []
+    for preset in PRESETS:
+        shape = get_preset(preset)
+        found += [(shape.num_kv_heads, s, shape.head_dim) for s in LENGTHS]
+    return sorted(set(found))
+
+
+def check_shape(kv_shape: tuple[int, int, int], device: torch.device, seed: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    x = (torch.randn(kv_shape, generator=generator) * 3).to(device, torch.bfloat16)
+    x.view(-1)[:: 97] = 0  # zeros and a zero group exercise the zero-scale path
+    x[0, 0, :64] = 0
+    cases = []
+    for bits in (8, 4):
+        codes, scales = quantize_triton(x, bits)
+        ref_codes, ref_scales = quantize_reference(x, bits)
+        out = dequantize_triton(codes, scales, bits, kv_shape, torch.bfloat16)
+        ref_out = dequantize_reference(ref_codes, ref_scales, bits, kv_shape, torch.bfloat16)
+        cases.append({
+            "shape": list(kv_shape), "bits": bits,
+            "codes_equal": bool(torch.equal(codes, ref_codes)),
+            "scales_equal": bool(torch.equal(scales.view(torch.int16),
+                                              ref_scales.view(torch.int16))),
+            "dequantized_equal": bool(torch.equal(out.view(torch.int16),
+                                                  ref_out.view(torch.int16))),
+            "wsum64_codes_equal": wsum64_triton(codes) == wsum64_reference(codes),
+        })
+    raw = x.reshape(-1).view(torch.uint8)
+    cases.append({"shape": list(kv_shape), "bits": 16,
+                  "wsum64_raw_equal": wsum64_triton(raw) == wsum64_reference(raw)})
+    return cases
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dry-run", action="store_true", help="small shapes (CPU interpreter)")
+    parser.add_argument("--json", metavar="FILE", help="also write every case as JSON")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    started = time.perf_counter()
+    cases = []
+    for n, kv_shape in enumerate(shapes(args.dry_run)):
+        cases += check_shape(kv_shape, device, seed=n)
+    failed = [c for c in cases if not all(v for k, v in c.items() if k.endswith("_equal"))]
+    for case in failed:
+        print(f"MISMATCH {case}")
+    print(f"kernels_check: {len(cases) - len(failed)}/{len(cases)} cases equal on {device} "
+          f"in {time.perf_counter() - started:.1f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"device": str(device), "dry_run": args.dry_run, "cases": cases,
+             "failed": len(failed)}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
