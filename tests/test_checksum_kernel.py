@@ -121,3 +121,13 @@ def test_the_wire_value_did_not_change():
         assert checksum(buf, "wsum64") == value
         assert wsum64(buf, backend="torch") == value
         assert wsum64(buf, backend="triton") == value
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_many_buffers_at_once_equal_one_at_a_time(backend):
+    from rekv_core.kernels import wsum64_many
+
+    g = torch.Generator().manual_seed(3)
+    buffers = [torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8)
+               for n in (0, 5, 4096, 0, 70_001)]
+    assert wsum64_many(buffers, backend) == [wsum64(b, "torch") for b in buffers]

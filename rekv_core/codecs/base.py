@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rekv_core.codecs.checksum import checksum, default_algorithm
+from rekv_core.codecs.checksum import checksums as checksums_of
+from rekv_core.codecs.checksum import default_algorithm
 
 WIRE_MAGIC = b"RKVL"
 WIRE_VERSION = 1
@@ -122,7 +123,7 @@ class Codec(ABC):
         self.check_shape(shape)
         buffers = self._encode(k.contiguous(), v.contiguous())
         algorithm = default_algorithm(k.device)
-        sums = {name: checksum(b, algorithm) for name, b in buffers.items()} if checksums else {}
+        sums = checksums_of(buffers, algorithm) if checksums else {}
         return EncodedKV(codec=self.name, shape=shape, dtype=dtype_name(k.dtype), buffers=buffers,
                          checksum_algorithm=algorithm, checksums=sums)
 
@@ -149,14 +150,24 @@ class Codec(ABC):
             if buf.numel() != expected:
                 raise CorruptPayloadError(f"buffer {name}: {buf.numel()} bytes, expected "
                                           f"{expected} for shape {shape}")
-            if verify:
-                if name not in encoded.checksums:
-                    raise CorruptPayloadError(f"buffer {name}: no checksum in the header")
-                if checksum(buf, encoded.checksum_algorithm) != encoded.checksums[name]:
-                    raise CorruptPayloadError(f"buffer {name}: checksum mismatch "
-                                              f"({encoded.checksum_algorithm})")
+            if verify and name not in encoded.checksums:
+                raise CorruptPayloadError(f"buffer {name}: no checksum in the header")
+        if verify:
+            self._verify(encoded)
         buffers = {name: b.contiguous() for name, b in encoded.buffers.items()}
         return self._decode(buffers, shape, _DTYPES[encoded.dtype])
+
+
+    @staticmethod
+    def _verify(encoded: EncodedKV) -> None:
+        try:
+            sums = checksums_of(encoded.buffers, encoded.checksum_algorithm)
+        except ValueError as exc:
+            raise CorruptPayloadError(str(exc)) from exc
+        for name, value in sums.items():
+            if value != encoded.checksums[name]:
+                raise CorruptPayloadError(f"buffer {name}: checksum mismatch "
+                                          f"({encoded.checksum_algorithm})")
 
 
 _REGISTRY: dict[str, Callable[[], Codec]] = {}

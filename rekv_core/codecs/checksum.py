@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from rekv_core.kernels import wsum64
+from rekv_core.kernels import wsum64, wsum64_many
 
 ALGORITHMS = ("crc32", "wsum64")
 
@@ -31,3 +31,12 @@ def checksum(buffer: torch.Tensor, algorithm: str) -> int:
     if algorithm == "wsum64":
         return wsum64(buffer.detach().contiguous())
     raise ValueError(f"checksum algorithm: must be one of {ALGORITHMS}, got {algorithm!r}")
+
+
+def checksums(buffers: dict[str, torch.Tensor], algorithm: str) -> dict[str, int]:
+    """`checksum` of every named buffer; on a device, with one wait for all of them."""
+    if algorithm == "wsum64":
+        names = list(buffers)
+        values = wsum64_many([buffers[n].detach().contiguous() for n in names])
+        return dict(zip(names, values))
+    return {name: checksum(b, algorithm) for name, b in buffers.items()}

@@ -49,4 +49,13 @@ def wsum64(buffer: torch.Tensor, backend: str = "auto") -> int:
     return wsum64_reference(buffer)
 
 
-__all__ = ["BACKENDS", "GROUP_SIZE", "dequantize_groupwise", "quantize_groupwise", "wsum64"]
+def wsum64_many(buffers: list[torch.Tensor], backend: str = "auto") -> list[int]:
+    """`wsum64` of each buffer; on the Triton path with one wait for the device for all."""
+    if buffers and _use_triton(buffers[0].device, backend):
+        from rekv_core.kernels.checksum_triton import wsum64_triton_many
+        return wsum64_triton_many(buffers)
+    return [wsum64_reference(b) for b in buffers]
+
+
+__all__ = ["BACKENDS", "GROUP_SIZE", "dequantize_groupwise", "quantize_groupwise", "wsum64",
+           "wsum64_many"]

@@ -57,11 +57,24 @@ def _check_block(block_words: int) -> None:
 def wsum64_triton(buffer: torch.Tensor, *, block_words: int = WORDS_PER_PROGRAM) -> int:
     """Same contract as `wsum64_reference`, for a contiguous 1-D uint8 tensor. `block_words` (words
     per program) changes only the work split, never the value."""
-    check_buffer(buffer, contiguous=True)
+    return wsum64_triton_many([buffer], block_words=block_words)[0]
+
+
+def wsum64_triton_many(buffers: list[torch.Tensor], *, block_words: int = WORDS_PER_PROGRAM
+                       ) -> list[int]:
+    """`wsum64_triton` of each buffer, with one wait for the device for all of them (a layer's
+    buffers are checked together, not one host round trip each)."""
+    for buffer in buffers:
+        check_buffer(buffer, contiguous=True)
     _check_block(block_words)
+    sums = [_weighted_sum(b, block_words) for b in buffers if b.numel()]
+    totals = iter(torch.stack(sums).tolist() if sums else [])
+    return [(next(totals) + b.numel()) & MASK64 if b.numel() else 0 for b in buffers]
+
+
+def _weighted_sum(buffer: torch.Tensor, block_words: int) -> torch.Tensor:
+    """Σ wᵢ·weightᵢ of a non-empty buffer as an int64 device scalar (wrapping), without waiting."""
     n_bytes = buffer.numel()
-    if n_bytes == 0:
-        return 0
     n_words = triton.cdiv(n_bytes, 4)
     # view(int32) needs a 4-byte storage offset; a misaligned pointer takes the byte path
     aligned = n_bytes % 4 == 0 and buffer.storage_offset() % 4 == 0 and buffer.data_ptr() % 4 == 0
@@ -70,4 +83,4 @@ def wsum64_triton(buffer: torch.Tensor, *, block_words: int = WORDS_PER_PROGRAM)
     partials = torch.empty(n_programs, dtype=torch.int64, device=buffer.device)
     _wsum64_kernel[(n_programs,)](src, partials, n_words, n_bytes, BLOCK=block_words,
                                   WORDS=aligned, MODULUS=WEIGHT_MODULUS)
-    return (int(partials.sum()) + n_bytes) & MASK64
+    return partials.sum()
