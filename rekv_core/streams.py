@@ -53,7 +53,7 @@ def record_ready(buffers: Iterable[torch.Tensor]) -> torch.cuda.Event | None:
     device = _cuda_device(buffers)
     if device is None:
         return None
-    event = torch.cuda.Event()
+    event = torch.cuda.Event(blocking=True)  # a host wait on it sleeps rather than spins
     event.record(torch.cuda.current_stream(device))
     return event
 

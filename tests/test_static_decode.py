@@ -65,3 +65,32 @@ def test_graph_replays_equal_the_eager_static_step():
         token = int(want.argmax())
     for layer in range(shape.num_layers):
         assert torch.equal(graph_cache.keys[layer], eager_cache.keys[layer])
+
+
+@pytest.mark.cuda
+@CUDA
+def test_two_requests_may_capture_at_once():
+    import threading
+
+    shape = get_preset("qwen2.5-3b")
+    model = Model(synthetic_weights(shape, torch.bfloat16, "cuda", shared_layer=True))
+    ids = list(range(1, 257))
+    caches, logits = _caches(model, ids, len(ids) + 32)
+    (reference_cache, _), _ = _caches(model, ids, len(ids) + 32)
+    token = int(logits.argmax())
+    want = StaticDecoder(model, reference_cache, graph=False).step(token)
+    results, errors = {}, []
+
+    def first_step(n):
+        try:
+            results[n] = StaticDecoder(model, caches[n]).step(token)
+        except Exception as exc:  # noqa: BLE001 - surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first_step, args=(n,)) for n in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert all(torch.equal(results[n], want) for n in range(2))

@@ -114,3 +114,23 @@ def test_bad_link_settings():
         InProcessLink(bandwidth_gbps=0)
     with pytest.raises(ValueError, match="latency_s"):
         InProcessLink(latency_s=-1)
+
+
+def test_a_failed_copy_fails_that_request_and_the_wire_lives_on(monkeypatch):
+    with InProcessLink() as link:
+        real_copy = link._copy
+
+        def copy(message):
+            if message.request_id == "bad":
+                raise RuntimeError("out of memory")
+            return real_copy(message)
+
+        monkeypatch.setattr(link, "_copy", copy)
+        for request_id in ("bad", "good"):
+            link.receiver.open(request_id)
+            link.sender.send(Message(request_id, 0, "m", b"",
+                                     {"x": torch.zeros(4, dtype=torch.uint8)}))
+        with pytest.raises(TransportError, match="copy failed: out of memory"):
+            link.sender.flush("bad", timeout=5)
+        link.sender.flush("good", timeout=5)
+        assert link.receiver.recv("good", 5).name == "m"

@@ -71,8 +71,13 @@ def check_shape(kv_shape: tuple[int, int, int], device: torch.device, seed: int)
             "wsum64_codes_equal": wsum64_triton(codes) == wsum64_reference(codes),
         })
     raw = x.reshape(-1).view(torch.uint8)
-    cases.append({"shape": list(kv_shape), "bits": 16,
-                  "wsum64_raw_equal": wsum64_triton(raw) == wsum64_reference(raw)})
+    # aligned words, then the byte path: an odd start, a ragged end, both
+    for label, part in (("", raw), ("_offset", raw[1:]), ("_tail", raw[:-3]),
+                        ("_both", raw[1:-2])):
+        if part.numel():
+            cases.append({"shape": list(kv_shape), "bits": 16, "slice": label or "whole",
+                          f"wsum64_raw{label}_equal":
+                          wsum64_triton(part) == wsum64_reference(part)})
     return cases
 
 

@@ -96,7 +96,8 @@ def _bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torc
 
 
 def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {name: b.to(device, non_blocking=True) for name, b in buffers.items()}
+    # non-blocking only towards a device: a copy to the host must have landed before it is read
+    return {name: b.to(device, non_blocking=device.type == "cuda") for name, b in buffers.items()}
 
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
@@ -245,6 +246,9 @@ def _restore_and_recompute(model: Model, inbound: _Inbound, schedule: str, actio
         worker.start()
         try:
             suffix = _run_suffix(model, h_c, action.cut, cache)
+        except BaseException:  # wake the prefix thread instead of waiting out its timeout
+            inbound.transport.abort(inbound.request_id)
+            raise
         finally:
             worker.join()
     else:

@@ -126,6 +126,14 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
             mask: torch.Tensor | None = None) -> torch.Tensor:
     # q: [n_h, Sq, d_h]; k, v: [n_kv, Sk, d_h]; mask: [Sq, Sk] (True: attend) -> [Sq, n_h*d_h]
+    n_h, n_q, d_h = q.shape
+    n_kv = k.shape[0]
+    if n_q == 1 and n_h != n_kv:
+        # One query (a decode step): the heads of a group share their KV head and the mask, so
+        # they go on the query axis, with no GQA expansion of K and V (and fused kernels apply).
+        out = F.scaled_dot_product_attention(q.reshape(n_kv, n_h // n_kv, d_h)[None], k[None],
+                                             v[None], attn_mask=mask)[0]
+        return out.reshape(1, n_h * d_h)
     out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
                                          is_causal=is_causal, enable_gqa=True)[0]
     return out.transpose(0, 1).reshape(q.shape[1], -1)
@@ -313,10 +321,14 @@ def decode_greedy(model: Model, first_logits: torch.Tensor, cache: KVCache, max_
     return tokens
 
 
+GRAPH_MIN_STEPS = 16  # fewer steps than this do not repay a CUDA graph's capture
+
+
 def decode_steps(model: Model, cache: KVCache) -> Callable[[int], torch.Tensor]:
-    """One sequence's decode step, token id -> logits: replays of a CUDA graph on a GPU
-    (`static_decode.StaticDecoder`), `decode_step` elsewhere."""
-    if model.device.type == "cuda":
+    """One sequence's decode step, token id -> logits: replays of a CUDA graph on a GPU when the
+    cache has room for at least `GRAPH_MIN_STEPS` more tokens (`static_decode.StaticDecoder`),
+    `decode_step` otherwise."""
+    if model.device.type == "cuda" and cache.capacity - cache.length >= GRAPH_MIN_STEPS:
         from rekv_core.model.static_decode import StaticDecoder  # it builds on this module
 
         return StaticDecoder(model, cache).step

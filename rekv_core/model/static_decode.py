@@ -18,12 +18,17 @@ capacity, its masked part zero); a graph replay is bit-identical to the eager st
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, _layer, final_logits
 
 GRAPH_WARMUPS = 2  # eager runs on a side stream before capture, as CUDA graphs require
+# One capture at a time per process (PyTorch's rule); each device captures on a stream of its own.
+_CAPTURE_LOCK = threading.Lock()
+_CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 class StaticDecoder:
@@ -57,17 +62,20 @@ class StaticDecoder:
         return final_logits(model, h[-1])
 
     def _capture(self) -> None:
-        side = torch.cuda.Stream(self.model.device)
-        side.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(side):
-            for _ in range(GRAPH_WARMUPS):
-                self._forward()
-        torch.cuda.current_stream(self.model.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (another request's handoff) may use the device meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._logits = self._forward()
-        self._captured = graph
+        device = self.model.device
+        with _CAPTURE_LOCK, torch.cuda.device(device):
+            stream = _CAPTURE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(GRAPH_WARMUPS):
+                    self._forward()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads (another request's handoff) may use the device
+            # meanwhile; they only may not capture, which the lock rules out
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+                self._logits = self._forward()
+            self._captured = graph
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:

@@ -60,7 +60,11 @@ class InProcessLink:
                 continue  # discarded: stays in the sender's in-flight count, so flush fails
             message: Message = item
             start = time.perf_counter()
-            copy = self._copy(message)
+            try:
+                copy = self._copy(message)
+            except Exception as exc:  # noqa: BLE001 - the wire lives on; this request fails
+                self.sender._done(message.request_id, failure=f"copy failed: {exc}")
+                continue
             remaining = self.wire_seconds(message.nbytes) - (time.perf_counter() - start)
             if remaining > 0:
                 time.sleep(remaining)
@@ -113,6 +117,7 @@ class _InProcessSender(TransportSender):
     def __init__(self, link: InProcessLink):
         self._link = link
         self._in_flight: collections.Counter[str] = collections.Counter()
+        self._failures: dict[str, str] = {}  # request -> why a message of it never left
         self._failed = False
         self._cond = threading.Condition()
 
@@ -123,11 +128,13 @@ class _InProcessSender(TransportSender):
             self._in_flight[message.request_id] += 1
         self._link._queue.put(message)
 
-    def _done(self, request_id: str) -> None:
+    def _done(self, request_id: str, failure: str | None = None) -> None:
         with self._cond:
             self._in_flight[request_id] -= 1
             if not self._in_flight[request_id]:
                 del self._in_flight[request_id]
+            if failure is not None:
+                self._failures[request_id] = failure
             self._cond.notify_all()
 
     def _fail_all(self) -> None:
@@ -143,8 +150,11 @@ class _InProcessSender(TransportSender):
                 raise TimeoutError(f"request {request_id}: messages still on the wire after "
                                    f"{timeout} s")
             self._in_flight.pop(request_id, None)
+            failure = self._failures.pop(request_id, None)
             if self._failed:
                 raise TransportError("link: closed with messages in flight")
+            if failure is not None:
+                raise TransportError(f"request {request_id}: {failure}")
 
     def pending(self) -> dict[str, int]:
         with self._cond:

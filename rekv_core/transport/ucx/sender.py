@@ -35,6 +35,7 @@ class UcxSender(TransportSender):
         self._endpoint = engine.call(self._connect(host, int(port), connect_timeout),
                                      connect_timeout + 1)
         self._in_flight: dict[str, list] = {}
+        self._orphans: list[list] = []  # parts of given-up sends, kept until shutdown
         self._lock = threading.Lock()
 
     @staticmethod
@@ -50,6 +51,7 @@ class UcxSender(TransportSender):
         parts = [frame.numpy()] + [wire_view(b) for b in message.buffers.values()]
         # Posted on the engine loop in call order, so the parts of a request leave in order.
         future = self._engine.submit(self._send_parts(message, parts))
+        future.parts = parts  # what UCX reads until its requests end (see flush)
         with self._lock:
             self._in_flight.setdefault(message.request_id, []).append(future)
 
@@ -69,14 +71,21 @@ class UcxSender(TransportSender):
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 future.result(remaining)
         except TimeoutError:
-            for future in futures:
-                future.cancel()
+            self._give_up(futures)
             raise TimeoutError(f"request {request_id}: messages still on the wire after "
                                f"{timeout} s") from None
         except Exception as exc:
-            for future in futures:
-                future.cancel()
+            self._give_up(futures)
             raise TransportError(f"request {request_id}: send failed: {exc}") from exc
+
+    def _give_up(self, futures: list) -> None:
+        """Cancelling a future does not end the UCX requests already posted, which may still read
+        the buffers: keep those alive (device memory would otherwise go back to the allocator)
+        until the endpoint closes."""
+        for future in futures:
+            future.cancel()
+        with self._lock:
+            self._orphans += [f.parts for f in futures if not f.done() or f.cancelled()]
 
     def pending(self) -> dict[str, int]:
         with self._lock:
@@ -89,6 +98,8 @@ class UcxSender(TransportSender):
                 await self._endpoint.close()
 
         self._engine.call(close(), 10)
+        with self._lock:
+            self._orphans.clear()
 
 
 class UcxSenderPool(SenderPool):
