@@ -61,6 +61,7 @@ class HandoffReply:
     bytes: WireBytes
     link_gbps: float  # the link rate the planner used
     candidates: list[Ranked] = field(default_factory=list)
+    queue_depth: int = 0  # the prefill worker's other handoffs, waiting or running, as it replied
 
 
 @dataclass(frozen=True)

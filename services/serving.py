@@ -47,7 +47,8 @@ class Worker:
         """The data plane's options on this worker. Host memory travels eagerly into large
         socket buffers; device memory needs UCX's rendezvous protocol."""
         s = self.settings
-        return TransportOptions(host=s.host, port=s.ucx_port, device=str(self.model.device),
+        return TransportOptions(host=s.advertise_host or s.host, port=s.ucx_port,
+                                device=str(self.model.device),
                                 loop_nice=s.loop_nice,
                                 host_eager=self.model.device.type == "cpu",
                                 pace_gbps=s.pace_gbps)

@@ -18,12 +18,38 @@ from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
 
 ROLES = ("prefill", "decode")
+DNS_SCHEME = "dns:///"
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # The decode worker recomputes the suffix while its UCX loop thread waits for the prefix, and in
 # ucxx's threaded progress mode that wait busy-polls; at nice 19 the loop yields the core to the
 # recompute, while the kernel's socket buffers take the eagerly sent prefix in (CPU workers:
 # `UcxEngine(host_eager=True)`) and the loop catches up once the recompute is done
 # (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
+
+
+def split_host_port(address: str, what: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"prefill_address: {what} {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def parse_prefill_address(text: str) -> tuple[str, list[str]]:
+    """("dns", ["name:port"]) or ("static", ["host:port", ...]); ValueError naming the field."""
+    text = text.strip()
+    if not text:
+        raise ValueError("prefill_address: required for the decode service (host:port, a "
+                         "comma-separated list, or dns:///name:port)")
+    if text.startswith(DNS_SCHEME):
+        target = text[len(DNS_SCHEME):]
+        split_host_port(target, "the DNS target")
+        return "dns", [target]
+    addresses = [a.strip() for a in text.split(",") if a.strip()]
+    for address in addresses:
+        split_host_port(address, "the address")
+    return "static", addresses
+
 
 
 @dataclass(frozen=True)
@@ -38,7 +64,13 @@ class ServiceSettings:
     metrics_port: int = 0
     transport: str = "ucx"  # the data plane: ucx, or inprocess (both services in one process)
     ucx_port: int = 0  # decode only: where its data-plane listener binds
-    prefill_address: str = ""  # decode only: host:port of the prefill service's gRPC
+    # decode only: where the advertised UCX listener is reached (default: `host`); set it when
+    # `host` is a wildcard such as 0.0.0.0, e.g. to the pod's IP
+    advertise_host: str = ""
+    # decode only: the prefill pool's gRPC: host:port, a comma-separated list, or dns:///name:port
+    # (every address the name resolves to, resolved again every prefill_refresh_s)
+    prefill_address: str = ""
+    prefill_refresh_s: float = 5.0
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512  # the limit on a request's max_new_tokens
     max_concurrent: int = 4  # requests handled at once; more wait in the queue
@@ -79,8 +111,13 @@ class ServiceSettings:
                              f"default), got {self.ucx_loop_nice}")
         if self.link_gbps <= 0:
             raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
-        if self.role == "decode" and not self.prefill_address:
-            raise ValueError("prefill_address: required for the decode service (host:port)")
+        if self.role == "decode":
+            parse_prefill_address(self.prefill_address)
+            if self.host in WILDCARD_HOSTS and not self.advertise_host:
+                raise ValueError(f"advertise_host: required when host is {self.host!r}: the "
+                                 f"address prefill workers reach this worker's UCX listener at")
+        if self.prefill_refresh_s <= 0:
+            raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
         self.runtime  # validates model, device and dtype
 
     @property

@@ -177,7 +177,8 @@ def handoff_response(reply: HandoffReply):
                                        bytes=p.bytes)
                     for p, ms in reply.candidates],
         prefill_ms=reply.prefill_ms, q_ms=reply.q_ms, send_ms=reply.send_ms,
-        bytes=wire_bytes_to_proto(reply.bytes), link_gbps_estimate=reply.link_gbps)
+        bytes=wire_bytes_to_proto(reply.bytes), link_gbps_estimate=reply.link_gbps,
+        queue_depth=reply.queue_depth)
 
 
 def handoff_reply(response, num_layers: int) -> HandoffReply:
@@ -186,4 +187,5 @@ def handoff_reply(response, num_layers: int) -> HandoffReply:
         action=action_from_proto(response.action, num_layers, "action"),
         predicted_ms=response.predicted_ms, model_ms=response.model_ms,
         prefill_ms=response.prefill_ms, q_ms=response.q_ms, send_ms=response.send_ms,
-        bytes=_wire_bytes_from_proto(response.bytes), link_gbps=response.link_gbps_estimate)
+        bytes=_wire_bytes_from_proto(response.bytes), link_gbps=response.link_gbps_estimate,
+        queue_depth=response.queue_depth)

@@ -8,7 +8,8 @@ from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
 from services import wire_convert
-from services.calls import DecodeOffer, HandoffCall
+from rekv_core.handoff.action import WireBytes
+from services.calls import DecodeOffer, HandoffCall, HandoffReply
 from services.errors import InvalidArgument
 
 L = 30
@@ -30,6 +31,15 @@ def test_a_handoff_call_survives_the_wire():
     call = _call()
     assert wire_convert.handoff_call(wire_convert.handoff_request(call), "smollm2-135m",
                                      L) == call
+
+
+def test_a_reply_survives_the_wire_with_the_prefill_load():
+    reply = HandoffReply(action=Action("int8", 21, L), predicted_ms=95.0, model_ms=90.0,
+                         prefill_ms=300.0, q_ms=4.0, send_ms=60.0,
+                         bytes=WireBytes(boundary=1000, prefix=4000, scales=125), link_gbps=2.5,
+                         queue_depth=3)
+    got = wire_convert.handoff_reply(wire_convert.handoff_response(reply), L)
+    assert got == reply  # the candidates are for the prefill's logs and are not read back
 
 
 def test_another_model_is_named_before_anything_read_against_it():

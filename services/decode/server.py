@@ -6,9 +6,9 @@ A call's life cycle:
 2. queue: wait for a slot (at most `max_concurrent` calls at once);
 3. open a fresh transfer on the data-plane receiver and start receiving: the cache is allocated
    now, while the prefill side computes, not while the first layers land;
-4. negotiate: call the prefill service's `Handoff` with this worker's offer (its costs at this
-   prompt length under its current load, its evidence, its address and codecs); the prefill side
-   chooses the action and sends;
+4. negotiate: call the `Handoff` of the least loaded prefill replica (`prefill_pool`) with this
+   worker's offer (its costs at this prompt length under its current load, its evidence, its
+   address and codecs); the prefill side chooses the action, sends, and reports its queue;
 5. wait for the complete cache. If the handoff fails (prefill unreachable, a lost, corrupt or late
    payload) recompute the prompt here from its token ids instead: never decode from a broken
    cache, and say so in the summary;
@@ -36,6 +36,7 @@ from rekv_core.model.sampling import Sampler
 from rekv_core.plan.calibration import HandoffObservation
 from services import wire_convert
 from services.calls import Completion, GenerateCall, HandoffCall, HandoffReport
+from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
 from services.errors import InvalidArgument, status_for
 from services.metrics import ServiceMetrics
@@ -57,10 +58,10 @@ class _Handed:
 
 
 class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, prefill_stub):
+    def __init__(self, worker: DecodeWorker, prefill_pool: PrefillPool):
         self.worker = worker
         self.metrics = worker.metrics
-        self.prefill = prefill_stub
+        self.prefill = prefill_pool
         self.slots = asyncio.Semaphore(worker.settings.max_concurrent)
         self.queue = 0
         self.in_flight = 0
@@ -112,19 +113,30 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             request = wire_convert.handoff_request(
                 HandoffCall(call.request_id, transfer_id, ids, offer, call.forced_action))
             try:
-                response = await self.prefill.Handoff(request, timeout=context.time_remaining())
+                peer = self.prefill.pick()
+            except ConnectionError as exc:  # no replica known yet: never lose the request
+                worker.receiver.abort(transfer_id)
+                return await self._fallback(ids, capacity, receiving, began, f"prefill: {exc}")
+            try:
+                response = await peer.stub.Handoff(request, timeout=context.time_remaining())
             except grpc.aio.AioRpcError as exc:
+                self.prefill.report(peer, unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     raise InvalidArgument(exc.details()) from None
                 worker.receiver.abort(transfer_id)  # wakes the receiving thread
                 return await self._fallback(ids, capacity, receiving, began,
                                             f"prefill: {exc.code().name}: {exc.details()}")
+            except BaseException:  # cancelled, or past the deadline
+                self.prefill.report(peer)
+                raise
             try:
                 reply = wire_convert.handoff_reply(response, worker.shape.num_layers)
             except InvalidArgument as exc:  # the peer's answer, not the caller's request
+                self.prefill.report(peer)
                 worker.receiver.abort(transfer_id)
                 return await self._fallback(ids, capacity, receiving, began,
                                             f"prefill: unreadable reply: {exc}")
+            self.prefill.report(peer, reply.queue_depth)
             try:
                 result = await receiving  # 5
             except Exception as exc:  # a broken data plane: never decode from it
@@ -203,12 +215,13 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
 
 async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
-    channel = grpc.aio.insecure_channel(settings.prefill_address)
-    servicer = DecodeServicer(worker, rekv_pb2_grpc.PrefillStub(channel))
+    pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s)
+    await pool.start()
+    servicer = DecodeServicer(worker, pool)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     async def drain() -> None:
-        await channel.close()
+        await pool.close()
         await asyncio.to_thread(worker.close)
 
     extra = {"model": worker.shape.name, "ucx": worker.receiver.address,

@@ -37,11 +37,13 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker):
         self.worker = worker
         self.metrics = worker.metrics
+        self.active = 0  # handoff calls waiting or running
 
     async def Handoff(self, request, context):
         worker, metrics = self.worker, self.metrics
         started = time.perf_counter()
         metrics.in_flight.inc()
+        self.active += 1
         try:
             call = wire_convert.handoff_call(request, worker.shape.name,  # 1
                                              worker.shape.num_layers)
@@ -61,6 +63,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             await context.abort(code, str(exc))
         finally:
             metrics.in_flight.dec()
+            self.active -= 1
         report = sent.report  # 5
         metrics.record_sent(decision.action, sent.prefill_s, report.quantize_seconds, sent.send_s,
                             report.bytes)
@@ -78,7 +81,8 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             action=decision.action, predicted_ms=decision.predicted_ms,
             model_ms=decision.model_ms, prefill_ms=sent.prefill_s * 1e3,
             q_ms=report.quantize_seconds * 1e3, send_ms=sent.send_s * 1e3, bytes=report.bytes,
-            link_gbps=decision.inputs.link_gbps, candidates=decision.candidates))
+            link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
+            queue_depth=self.active))
 
 
 async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):

@@ -193,7 +193,7 @@ class MeasuredHandoffs(_message.Message):
     def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
-    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms")
+    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms", "queue_depth")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class HandoffResponse(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     LINK_GBPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     action: Action
     action_kind: str
     predicted_ms: float
@@ -214,7 +215,8 @@ class HandoffResponse(_message.Message):
     bytes: WireBytes
     link_gbps_estimate: float
     model_ms: float
-    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ..., model_ms: _Optional[float] = ...) -> None: ...
+    queue_depth: int
+    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ..., model_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "bytes")

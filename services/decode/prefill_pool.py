@@ -1,0 +1,137 @@
+"""The prefill replicas a decode worker negotiates with, and the choice of one per request.
+
+`--prefill-address` names the pool in one of three forms:
+- `host:port`: one prefill service;
+- `host:port,host:port,...`: a fixed list;
+- `dns:///name:port`: every address `name` resolves to (a Kubernetes headless Service's A records,
+  one per ready prefill pod), resolved again every `refresh_s` seconds, so replicas that come and
+  go are picked up without a restart.
+
+`PrefillPool.pick()` returns the peer with the least load as this worker knows it: the handoffs it
+has in flight with that peer plus the queue that peer last reported in its `Handoff` reply
+(`report`); ties go round robin. A peer whose call failed as unreachable (`UNAVAILABLE`) is left
+out for `down_s` seconds, or until every peer is out, when all are tried again; the request that
+saw the failure recomputes its prompt locally (see the decode server), so none is lost. Each peer
+keeps one gRPC channel; the prefill side keeps one UCX endpoint per decode worker it sends to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from services.rpc import rekv_pb2_grpc
+from services.settings import parse_prefill_address, split_host_port
+
+log = logging.getLogger("rekv.decode.pool")
+
+
+def resolve(target: str) -> list[str]:
+    """Every IPv4/IPv6 address of `name:port`, as sorted `host:port` strings."""
+    host, port = split_host_port(target, "the DNS target")
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    found = {f"[{a[4][0]}]:{port}" if ":" in a[4][0] else f"{a[4][0]}:{port}" for a in infos}
+    return sorted(found)
+
+
+@dataclass
+class PrefillPeer:
+    address: str
+    channel: grpc.aio.Channel
+    stub: rekv_pb2_grpc.PrefillStub
+    in_flight: int = 0  # this worker's handoffs with the peer now
+    reported_queue: int = 0  # the peer's own count, from its last reply
+    down_until: float = 0.0
+    calls: int = field(default=0)
+
+    @property
+    def load(self) -> int:
+        return self.in_flight + self.reported_queue
+
+
+class PrefillPool:
+    def __init__(self, prefill_address: str, refresh_s: float = 5.0, down_s: float = 5.0):
+        self.kind, targets = parse_prefill_address(prefill_address)
+        self.target = targets[0] if self.kind == "dns" else None
+        self.refresh_s, self.down_s = refresh_s, down_s
+        self.peers: dict[str, PrefillPeer] = {}
+        self._retired: list[PrefillPeer] = []
+        self._turn = itertools.count()
+        self._refresher: asyncio.Task | None = None
+        if self.kind == "static":
+            self._update(targets)
+
+    async def start(self) -> None:
+        """Resolve a DNS target now and keep refreshing it; nothing to do for a fixed list."""
+        if self.kind == "dns":
+            await self.refresh()
+            self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def refresh(self) -> None:
+        try:
+            addresses = await asyncio.to_thread(resolve, self.target)
+        except OSError as exc:  # keep the peers we have; the next refresh tries again
+            log.warning("prefill pool: cannot resolve %s: %s", self.target, exc)
+            return
+        self._update(addresses)
+        idle = [p for p in self._retired if not p.in_flight]
+        self._retired = [p for p in self._retired if p.in_flight]
+        for peer in idle:
+            await peer.channel.close()
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            await self.refresh()
+
+    def _update(self, addresses: list[str]) -> None:
+        for address in addresses:
+            if address not in self.peers:
+                channel = grpc.aio.insecure_channel(address)
+                self.peers[address] = PrefillPeer(address, channel,
+                                                  rekv_pb2_grpc.PrefillStub(channel))
+                log.info("prefill pool: added %s", address)
+        for address in [a for a in self.peers if a not in addresses]:
+            self._retired.append(self.peers.pop(address))  # closed once its calls are done
+            log.info("prefill pool: removed %s", address)
+
+    def pick(self) -> PrefillPeer:
+        """The least loaded peer that is not down (all of them when every one is down)."""
+        if not self.peers:
+            raise ConnectionError(f"prefill pool: no prefill address known for "
+                                  f"{self.target or 'the configured list'}")
+        now = time.monotonic()
+        peers = list(self.peers.values())
+        candidates = [p for p in peers if p.down_until <= now] or peers
+        offset = next(self._turn)
+        order = candidates[offset % len(candidates):] + candidates[:offset % len(candidates)]
+        peer = min(order, key=lambda p: p.load)
+        peer.in_flight += 1
+        peer.calls += 1
+        return peer
+
+    def report(self, peer: PrefillPeer, reported_queue: int | None = None,
+               unreachable: bool = False) -> None:
+        """The call with `peer` ended: with the queue it reported, or unreachable."""
+        peer.in_flight -= 1
+        if reported_queue is not None:
+            peer.reported_queue = reported_queue
+        if unreachable:
+            peer.down_until = time.monotonic() + self.down_s
+            log.warning("prefill pool: %s unreachable, left out for %.0f s", peer.address,
+                        self.down_s)
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            await asyncio.gather(self._refresher, return_exceptions=True)
+        for peer in [*self.peers.values(), *self._retired]:
+            await peer.channel.close()
+        self.peers.clear()
+        self._retired.clear()
