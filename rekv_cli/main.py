@@ -10,6 +10,7 @@
     rekv profile  measure per-layer costs on this machine (a profile file)
     rekv gate     evaluate actions against BF16 on a text corpus (a policy file)
     rekv plan     the action the planner would choose for a prompt length and link rate
+    rekv health   exit 0 if a running service's gRPC health check says SERVING
 
 Every command that prints figures takes `--json FILE` to write them as well.
 """
@@ -22,6 +23,7 @@ import sys
 
 from rekv_cli.bench import add_bench_parser
 from rekv_cli.demo import add_demo_parser
+from rekv_cli.health import add_health_parser
 from rekv_cli.plan import add_plan_parsers
 from rekv_cli.util import write_json
 from rekv_core.units import MiB
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_plan_parsers(sub)
+    add_health_parser(sub)
 
     serve = sub.add_parser("serve", help="run the prefill or the decode service",
                            add_help=False)
