@@ -1,0 +1,103 @@
+{{/*
+The container's environment: every service setting as REKV_<FIELD> (services/settings.py), the
+caches under /tmp, UCX's port range; context (dict "root" $ "role" role "config" roleConfig).
+*/}}
+{{- define "rekv.env" -}}
+{{- $v := .root.Values }}
+{{- $c := .config }}
+{{- $rv := index $v .role }}
+- name: REKV_HOST
+  value: "0.0.0.0"
+- name: REKV_ADVERTISE_HOST
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: REKV_GRPC_PORT
+  value: {{ int $v.ports.grpc | quote }}
+- name: REKV_METRICS_PORT
+  value: {{ int $v.ports.metrics | quote }}
+- name: REKV_TRANSPORT
+  value: "ucx"
+{{- if eq .role "decode" }}
+- name: REKV_UCX_PORT
+  value: {{ int $v.ports.ucx | quote }}
+- name: REKV_PREFILL_ADDRESS
+  value: {{ include "rekv.prefillAddress" .root | quote }}
+- name: REKV_PREFILL_REFRESH_S
+  value: {{ toString $c.prefillRefreshS | quote }}
+{{- end }}
+- name: REKV_MODEL
+  value: {{ include "rekv.modelPath" .root | quote }}
+- name: REKV_DEVICE
+  value: {{ toString $c.device | quote }}
+- name: REKV_DTYPE
+  value: {{ toString $c.dtype | quote }}
+{{- if kindIs "invalid" $c.torchThreads }}
+- name: REKV_TORCH_THREADS
+  valueFrom:
+    resourceFieldRef:
+      containerName: rekv
+      resource: limits.cpu
+      divisor: "1"
+{{- else }}
+- name: REKV_TORCH_THREADS
+  value: {{ int $c.torchThreads | quote }}
+{{- end }}
+- name: REKV_CODECS
+  value: {{ join "," $c.codecs | quote }}
+- name: REKV_MAX_PROMPT_TOKENS
+  value: {{ int $c.maxPromptTokens | quote }}
+- name: REKV_MAX_NEW_TOKENS
+  value: {{ int $c.maxNewTokens | quote }}
+- name: REKV_MAX_CONCURRENT
+  value: {{ int $c.maxConcurrent | quote }}
+- name: REKV_LINK_GBPS
+  value: {{ toString $c.linkGbps | quote }}
+- name: REKV_PACE_GBPS
+  value: {{ toString $c.paceGbps | quote }}
+- name: REKV_UCX_LOOP_NICE
+  value: {{ int $c.ucxLoopNice | quote }}
+- name: REKV_HANDOFF_TIMEOUT_S
+  value: {{ toString $c.handoffTimeoutS | quote }}
+- name: REKV_SHUTDOWN_GRACE_S
+  value: {{ toString $c.shutdownGraceS | quote }}
+- name: REKV_LOG_LEVEL
+  value: {{ toString $c.logLevel | quote }}
+{{- $plan := $v.plan }}
+{{- if or $plan.profile.inline $plan.profile.existingConfigMap }}
+- name: REKV_PROFILE
+  value: /etc/rekv/plan/profile.json
+{{- end }}
+{{- if or $plan.policy.inline $plan.policy.existingConfigMap }}
+- name: REKV_POLICY
+  value: /etc/rekv/plan/policy.json
+{{- end }}
+{{- if $v.tls.enabled }}
+- name: REKV_TLS_CERT
+  value: /etc/rekv/tls/tls.crt
+- name: REKV_TLS_KEY
+  value: /etc/rekv/tls/tls.key
+- name: REKV_TLS_CA
+  value: /etc/rekv/tls/ca.crt
+{{- end }}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: TRITON_CACHE_DIR
+  value: /tmp/triton
+{{- with $v.ucx.tcpPortRange }}
+- name: UCX_TCP_PORT_RANGE
+  value: {{ include "rekv.ucxPortRange" $.root | fromJsonArray | join "-" | quote }}
+{{- end }}
+{{- range $name, $value := $v.ucx.env }}
+- name: {{ $name }}
+  value: {{ toString $value | quote }}
+{{- end }}
+{{- with $v.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- with $rv.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
