@@ -41,6 +41,9 @@ class ServiceMetrics:
         direction = "sent" if role == "prefill" else "received"
         self.bytes = Counter(f"rekv_{direction}_bytes", f"Data-plane bytes {direction}, by kind",
                              ["kind"], registry=r)
+        self.bf16_bytes = Counter(
+            "rekv_bf16_equivalent_bytes", f"Data-plane bytes the same handoffs would have "
+            f"{direction} as full BF16 transfer: the reference of the saving", registry=r)
         self.requests = Counter("rekv_requests", "Handled requests by action",
                                 ["action", "codec", "cut"], registry=r)
         self.failures = Counter("rekv_failures", "Failed requests by reason", ["reason"],
@@ -56,27 +59,30 @@ class ServiceMetrics:
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
 
-    def record_received(self, handoff: HandoffObservation, predicted_ms: float) -> None:
-        """The decode side of one completed handoff."""
+    def record_received(self, handoff: HandoffObservation, predicted_ms: float,
+                        bf16_bytes: int) -> None:
+        """The decode side of one completed handoff; `bf16_bytes`: what full BF16 transfer of the
+        same prompt would have moved."""
         t, action = handoff.timings, handoff.action
         self.handoff.observe(handoff.handoff_s)
         self.boundary.observe(handoff.boundary_s)
         self.prefix.observe(t.x_s)
         self.suffix.observe(t.r_s)
         self.join.observe(t.j_s)
-        self._count(action, handoff.wire)
+        self._count(action, handoff.wire, bf16_bytes)
         if predicted_ms > 0:
             self.prediction_error.observe(handoff.handoff_s * 1e3 / predicted_ms)
 
     def record_sent(self, action: Action, prefill_s: float, quantize_s: float, send_s: float,
-                    wire: WireBytes) -> None:
+                    wire: WireBytes, bf16_bytes: int) -> None:
         """The prefill side of one completed handoff."""
         self.handoff.observe(send_s)
         self.prefill.observe(prefill_s)
         self.quantize.observe(quantize_s)
-        self._count(action, wire)
+        self._count(action, wire, bf16_bytes)
 
-    def _count(self, action: Action, wire: WireBytes) -> None:
+    def _count(self, action: Action, wire: WireBytes, bf16_bytes: int) -> None:
+        self.bf16_bytes.inc(bf16_bytes)
         for kind in BYTE_KINDS:
             amount = getattr(wire, kind)
             if amount:

@@ -21,6 +21,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from rekv_core.handoff import Action, wire_bytes
 from rekv_core.transport import TransportOptions
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
@@ -42,6 +43,10 @@ class Worker:
         self.threads = runtime.apply_threads()
         self.model = runtime.load_model()
         self.shape = self.model.shape
+
+    def bf16_bytes(self, prompt_len: int) -> int:
+        """What full BF16 transfer of a prompt this long moves: the saving's reference."""
+        return wire_bytes(Action.full_bf16(self.shape.num_layers), self.shape, prompt_len).total
 
     def transport_options(self) -> TransportOptions:
         """The data plane's options on this worker. Host memory travels eagerly into large

@@ -153,7 +153,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
             modelled_ms=reply.model_ms)
         sample_gbps = worker.calibration.observe(observed)
-        self.metrics.record_received(observed, reply.predicted_ms)
+        self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(len(ids)))
         t = result.timings
         report = HandoffReport(
             action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,

@@ -66,7 +66,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             self.active -= 1
         report = sent.report  # 5
         metrics.record_sent(decision.action, sent.prefill_s, report.quantize_seconds, sent.send_s,
-                            report.bytes)
+                            report.bytes, worker.bf16_bytes(len(call.token_ids)))
         log.info("request=%s transfer=%s tokens=%d action=%s predicted_ms=%.1f prefill_ms=%.1f "
                  "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
                  "send_gbps=%.3f top=%s total_ms=%.1f",
