@@ -62,3 +62,23 @@ def test_sampling_is_seeded_and_respects_top_k():
     assert nucleus(logits) == int(logits.argmax())
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("nan")), ("temperature", float("inf")), ("temperature", -1.0),
+    ("temperature", 1e-30), ("top_p", float("nan")), ("top_p", float("inf")), ("top_k", -1),
+])
+def test_every_sampling_number_is_checked_nan_and_inf_included(field, value):
+    with pytest.raises(ValueError, match=f"sampling.{field}"):
+        SamplingParams(**{field: value})
+
+
+def test_a_nan_temperature_from_the_wire_is_an_invalid_argument():
+    from services import wire_convert
+    from services.errors import InvalidArgument
+    from services.rpc import rekv_pb2
+
+    request = rekv_pb2.GenerateRequest(request_id="r", max_new_tokens=4, text="hi",
+                                       sampling=rekv_pb2.SamplingParams(temperature=float("nan")))
+    with pytest.raises(InvalidArgument, match="sampling.temperature"):
+        wire_convert.generate_call(request, 30)

@@ -3,9 +3,13 @@ seeded generator (the same seed and logits give the same token on the same devic
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+MIN_TEMPERATURE = 1e-6  # below it logits / temperature may overflow float32 to inf
 
 
 @dataclass(frozen=True)
@@ -16,8 +20,10 @@ class SamplingParams:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"sampling.temperature: must be >= 0, got {self.temperature}")
+        # NaN fails every comparison, so each bound is written to fail on it
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < math.inf):
+            raise ValueError(f"sampling.temperature: must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE:g}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"sampling.top_p: must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
