@@ -48,6 +48,7 @@ class HandoffCall:
     token_ids: list[int]
     offer: DecodeOffer
     forced_action: Action | None
+    handoff_key: bytes = b""  # drawn by the decode worker; seals every data-plane message
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import logging
 
 from rekv_core.codecs import codec_names
 from rekv_core.handoff import Action, ActionKind, WireBytes
+from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
@@ -114,6 +115,7 @@ def handoff_request(call: HandoffCall):
             measured=measured))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
+    request.handoff_key = call.handoff_key
     return request
 
 
@@ -125,6 +127,9 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
         raise InvalidArgument("transfer_id: required")
     if not request.token_ids:
         raise InvalidArgument("token_ids: must not be empty")
+    if len(request.handoff_key) != KEY_BYTES:
+        raise InvalidArgument(f"handoff_key: must be {KEY_BYTES} bytes, got "
+                              f"{len(request.handoff_key)}")
     offer = request.offer
     if offer.model != model or offer.num_layers != num_layers:
         raise InvalidArgument(f"offer.model: decode runs {offer.model!r} with "
@@ -143,6 +148,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     return HandoffCall(
         request_id=request.request_id, transfer_id=request.transfer_id,
         token_ids=list(request.token_ids), forced_action=forced,
+        handoff_key=bytes(request.handoff_key),
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,

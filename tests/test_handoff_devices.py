@@ -15,6 +15,7 @@ import torch
 
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff.seal import new_key
 from rekv_core.model import Model, prefill
 from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
@@ -55,17 +56,18 @@ def _expected_layer(state, action: Action, layer: int):
 def _handoff(model, ids, state, action, schedule, sender, receiver, request_id):
     receiver.open(request_id)
     errors = []
+    key = new_key()  # sealed as in the services: the MAC and checksums run on the device too
 
     def send():
         try:
-            send_handoff(sender, request_id, action, model.shape, ids, state)
+            send_handoff(sender, request_id, action, model.shape, ids, state, key=key)
         except Exception as exc:  # noqa: BLE001 - surfaced by the test
             errors.append(exc)
 
     thread = threading.Thread(target=send)
     thread.start()
     try:
-        return receive_handoff(model, receiver, request_id, schedule, timeout=60)
+        return receive_handoff(model, receiver, request_id, schedule, timeout=60, key=key)
     finally:
         thread.join()
         assert not errors, errors

@@ -24,7 +24,8 @@ def _call(**offer_changes) -> HandoffCall:
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs)
     offer.update(offer_changes)
-    return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L))
+    return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
+                       bytes(range(32)))
 
 
 def test_a_handoff_call_survives_the_wire():

@@ -34,6 +34,7 @@ from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import WireBytes, wire_bytes
+from rekv_core.handoff.seal import new_key
 from rekv_core.model.executor import Model, PrefillOutput, embed, prefill, run_layers
 from rekv_core.timing import median_seconds
 from rekv_core.transport.inprocess import InProcessLink
@@ -140,14 +141,14 @@ class Sample:
 def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
              state: PrefillOutput) -> Sample:
     """One handoff, timed from starting the sender to the complete cache."""
-    request_id = uuid.uuid4().hex
+    request_id, key = uuid.uuid4().hex, new_key()  # sealed, as the services' handoffs are
     link.receiver.open(request_id)
     outcome: dict = {}
 
     def send() -> None:
         try:
             outcome["sender"] = send_handoff(link.sender, request_id, case.action, model.shape,
-                                             ids, state)
+                                             ids, state, key=key)
         except BaseException as exc:  # re-raised below, after the receiver is done
             outcome["error"] = exc
 
@@ -155,7 +156,7 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
     start = time.perf_counter()
     sender.start()
     try:
-        result = receive_handoff(model, link.receiver, request_id, case.schedule)
+        result = receive_handoff(model, link.receiver, request_id, case.schedule, key=key)
     finally:
         sender.join()
     total = time.perf_counter() - start

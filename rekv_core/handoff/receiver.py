@@ -12,8 +12,9 @@ opened request and always ends it: `close` after success, `abort` after any fail
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
-Token-only runs the whole prefill on the receiver; transfer-only computes the first logits from the
-`head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
+Every message is opened with the handoff's key and its bytes checked against their checksums
+before anything reads them (`seal`). Token-only runs the whole prefill on the receiver;
+transfer-only computes the first logits from the `head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
 returned. The result carries the timing breakdown (`HandoffTimings`), the bytes received by kind,
 and `link_sample`: (bytes, seconds) of the link from the messages that landed before this worker
 began computing (`transport.arrivals`): before the suffix or the first decode that computes,
@@ -33,6 +34,7 @@ import torch
 from rekv_core import streams
 from rekv_core.codecs import EncodedKV, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
+from rekv_core.handoff.seal import check_checksums, check_key, open_message
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers
@@ -65,14 +67,17 @@ class HandoffResult:
 
 
 class _Inbound:
-    """Takes a request's messages in order, keeping their arrivals."""
+    """Takes a request's messages in order, each opened with the handoff's key (`seal`), keeping
+    their arrivals."""
 
-    def __init__(self, transport: TransportReceiver, request_id: str, timeout: float):
+    def __init__(self, transport: TransportReceiver, request_id: str, timeout: float,
+                 key: bytes | None):
         self.transport, self.request_id, self.timeout = transport, request_id, timeout
+        self.key = key
         self.arrivals: list[Arrival] = []
 
     def expect(self, name: str) -> Message:
-        message = self.transport.recv(self.request_id, self.timeout)
+        message = open_message(self.key, self.transport.recv(self.request_id, self.timeout))
         if message.name != name:
             raise TransportError(f"request {self.request_id}: expected {name!r}, "
                                  f"got {message.name!r}")
@@ -92,6 +97,7 @@ def _bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torc
         got = None if buf is None else buf.numel()
         raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
     streams.wait_ready(message.ready, [buf])
+    check_checksums(message)
     return buf.view(torch.bfloat16).reshape(shape).to(model.device, model.dtype)
 
 
@@ -102,16 +108,18 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
                     schedule: str = "overlap", timeout: float = 30.0,
-                    extra_capacity: int = 0, prompt_len: int | None = None) -> HandoffResult:
+                    extra_capacity: int = 0, prompt_len: int | None = None,
+                    key: bytes | None = None) -> HandoffResult:
     """`prompt_len`, when the caller knows it, lets the cache be allocated before the plan
     arrives (while the sender prefills), not while the first messages land; the plan must then
-    agree with it."""
+    agree with it. `key`: the handoff's key (`seal.new_key`), which the sender must seal with."""
     start = time.perf_counter()
     try:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
         cache = None if prompt_len is None else _empty_cache(model, prompt_len + extra_capacity)
-        inbound = _Inbound(transport, request_id, timeout)
+        check_key(key)
+        inbound = _Inbound(transport, request_id, timeout, key)
         result = _receive(model, inbound, schedule, extra_capacity, start, cache)
     except BaseException:
         transport.abort(request_id)
@@ -144,7 +152,9 @@ def _receive(model: Model, inbound: _Inbound, schedule: str, extra_capacity: int
 def _recompute_prompt(model: Model, inbound: _Inbound, action: Action, S: int, cache: KVCache,
                       start: float) -> HandoffResult:
     """Token-only: the prompt's ids arrive, this worker runs every layer."""
-    ids = inbound.expect(TOKENS).buffers["ids"].view(torch.int32).tolist()
+    message = inbound.expect(TOKENS)
+    check_checksums(message)
+    ids = message.buffers["ids"].view(torch.int32).tolist()
     if len(ids) != S:
         raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
     began = time.perf_counter()

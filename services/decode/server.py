@@ -31,6 +31,7 @@ import grpc
 import torch
 
 from rekv_core.handoff import Action, WireBytes
+from rekv_core.handoff.seal import new_key
 from rekv_core.model import KVCache
 from rekv_core.model.sampling import Sampler
 from rekv_core.plan.calibration import HandoffObservation
@@ -106,12 +107,13 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         self.metrics.in_flight.set(self.in_flight)
         worker.receiver.open(transfer_id)  # 3
         began = time.perf_counter()
+        key = new_key()  # this handoff's: only the chosen prefill worker learns it
         receiving = asyncio.ensure_future(asyncio.to_thread(
-            worker.receive, transfer_id, len(ids), call.max_new_tokens))
+            worker.receive, transfer_id, len(ids), call.max_new_tokens, key))
         try:
             offer = worker.offer(len(ids), load, self.queue)  # 4
             request = wire_convert.handoff_request(
-                HandoffCall(call.request_id, transfer_id, ids, offer, call.forced_action))
+                HandoffCall(call.request_id, transfer_id, ids, offer, call.forced_action, key))
             try:
                 peer = self.prefill.pick()
             except ConnectionError as exc:  # no replica known yet: never lose the request

@@ -79,9 +79,10 @@ class DecodeWorker(Worker):
                            queue_depth=queue, handoffs_in_flight=load,
                            costs=self.calibration.offer(prompt_len, load))
 
-    def receive(self, transfer_id: str, prompt_len: int, max_new_tokens: int) -> HandoffResult:
+    def receive(self, transfer_id: str, prompt_len: int, max_new_tokens: int, key: bytes
+                ) -> HandoffResult:
         return receive_handoff(self.model, self.receiver, transfer_id, "overlap",
-                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len)
+                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key)
 
     def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
         out = prefill(self.model, ids, boundaries=())

@@ -77,7 +77,7 @@ class PrefillWorker(Worker):
         flush_timeout = self.settings.handoff_timeout_s if deadline_s is None else max(
             0.1, deadline_s - (send_start - started))
         report = send_handoff(sender, call.transfer_id, action, self.shape, call.token_ids, state,
-                              flush_timeout=flush_timeout)
+                              flush_timeout=flush_timeout, key=call.handoff_key)
         send_s = time.perf_counter() - send_start
         self.calibration.observe_send(report.bytes.total, send_s)
         return SentHandoff(prefill_s, send_s, report)
