@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 
 from rekv_core.handoff import Action, wire_bytes
 from rekv_core.transport import TransportOptions
+from rekv_core.units import MiB
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
 
@@ -50,13 +51,17 @@ class Worker:
 
     def transport_options(self) -> TransportOptions:
         """The data plane's options on this worker. Host memory travels eagerly into large
-        socket buffers; device memory needs UCX's rendezvous protocol."""
+        socket buffers; device memory needs UCX's rendezvous protocol. No message may announce
+        more than the largest one a handoff of the longest allowed prompt sends (a BF16 layer
+        or the boundary), plus a MiB for headers."""
         s = self.settings
+        largest = max(self.shape.kv_layer_bytes(s.max_prompt_tokens),
+                      self.shape.boundary_bytes(s.max_prompt_tokens))
         return TransportOptions(host=s.advertise_host or s.host, port=s.ucx_port,
                                 device=str(self.model.device),
                                 loop_nice=s.loop_nice,
                                 host_eager=self.model.device.type == "cpu",
-                                pace_gbps=s.pace_gbps)
+                                pace_gbps=s.pace_gbps, max_message_bytes=largest + MiB)
 
 
 def run(settings: ServiceSettings, build: Build) -> int:

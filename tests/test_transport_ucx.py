@@ -235,3 +235,58 @@ def test_engine_runs_its_loop_at_the_given_priority():
         engine.close()
     with pytest.raises(ValueError, match="loop_nice"):
         UcxEngine(loop_nice=20)
+
+
+def _frame(meta) -> torch.Tensor:
+    import json
+    import struct
+
+    body = meta if isinstance(meta, bytes) else json.dumps(meta).encode()
+    return torch.frombuffer(bytearray(struct.pack("<I", len(body)) + body), dtype=torch.uint8)
+
+
+GOOD_FRAME = {"request_id": "r", "seq": 0, "name": "m", "header": "", "buffers": [["a", 8, "cpu"]]}
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"seq": "0"}, "frame.seq"), ({"name": None}, "frame.name"), ({"buffers": {}}, "frame.buffers"),
+    ({"buffers": [["a", -1, "cpu"]]}, "frame.buffers"),
+    ({"buffers": [["a", 8, "tpu"]]}, "frame.buffers"),
+    ({"buffers": [["a", True, "cpu"]]}, "frame.buffers"),
+    ({"buffers": [["a", 1 << 40, "cpu"]]}, "frame.buffers"),  # beyond the limit below
+    ({"buffers": [[f"b{i}", 1, "cpu"] for i in range(16)]}, "16 buffers"),
+])
+def test_a_peers_frame_is_checked_before_anything_is_allocated(change, field):
+    from rekv_core.transport.ucx.framing import decode_frame
+
+    assert decode_frame(_frame(GOOD_FRAME), max_message_bytes=64)["name"] == "m"
+    with pytest.raises(TransportError, match=field):
+        decode_frame(_frame(GOOD_FRAME | change), max_message_bytes=1 << 30)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b"\xff\xfe"])
+def test_malformed_frames_are_transport_errors(raw):
+    from rekv_core.transport.ucx.framing import decode_frame
+
+    with pytest.raises(TransportError, match="frame"):
+        decode_frame(_frame(raw))
+
+
+def test_a_message_beyond_the_receivers_limit_fails_its_request_only():
+    engine = UcxEngine()
+    receiver = UcxReceiver(engine, drain_seconds=0.5, max_message_bytes=1000)
+    sender = UcxSender(engine, receiver.address)
+    try:
+        receiver.open("big")
+        sender.send(_msg("big", 0, nbytes=4096))
+        with pytest.raises(TransportError, match="beyond this receiver's limit of 1000"):
+            receiver.recv("big", 10)
+        receiver.abort("big")
+        receiver.open("small")
+        sender.send(_msg("small", 0, nbytes=512))
+        assert receiver.recv("small", 10).buffers["data"].numel() == 512
+        receiver.close("small")
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+        engine.close()

@@ -28,6 +28,7 @@ class TransportOptions:
     loop_nice: int = 0  # the UCX engine thread's nice value, in [0, 19]
     host_eager: bool = False  # UCX sends host memory eagerly (`ucx.HOST_EAGER_ENV`)
     pace_gbps: float = 0.0  # senders emulate a link of this rate; 0: as fast as the wire
+    max_message_bytes: int = 0  # a receiver refuses a message announcing more; 0: no limit
 
     def __post_init__(self):
         if not isinstance(self.host, str) or not self.host:
@@ -44,6 +45,10 @@ class TransportOptions:
             raise ValueError(f"loop_nice: must be an integer in [0, 19], got {self.loop_nice!r}")
         if not isinstance(self.host_eager, bool):
             raise ValueError(f"host_eager: must be True or False, got {self.host_eager!r}")
+        if isinstance(self.max_message_bytes, bool) or not isinstance(
+                self.max_message_bytes, int) or self.max_message_bytes < 0:
+            raise ValueError(f"max_message_bytes: must be an integer >= 0 (0: no limit), got "
+                             f"{self.max_message_bytes!r}")
         if isinstance(self.pace_gbps, bool) or not isinstance(self.pace_gbps, (int, float)) \
                 or not math.isfinite(self.pace_gbps) or self.pace_gbps < 0:
             raise ValueError(f"pace_gbps: must be a finite number >= 0 (0: no pacing), "
@@ -68,7 +73,7 @@ def _ucx_receiver(options: TransportOptions) -> TransportReceiver:
     engine = acquire_engine(options.loop_nice, options.host_eager)
     try:
         return UcxReceiver(engine, options.host, options.port, device=options.device,
-                           shared_engine=True)
+                           shared_engine=True, max_message_bytes=options.max_message_bytes)
     except BaseException:
         release_engine(engine)
         raise

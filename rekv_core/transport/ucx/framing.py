@@ -22,6 +22,7 @@ from rekv_core.transport.base import Message, TransportError
 MAX_FRAME = 1 << 16  # bytes of part 0 of a message
 MAX_BUFFERS = 15
 MAX_SEQ = (1 << 12) - 1
+MEMORY_KINDS = ("cpu", "cuda")
 
 
 def message_tag(request_id: str, seq: int, part: int) -> int:
@@ -48,12 +49,44 @@ def encode_frame(message: Message) -> bytes:
     return frame
 
 
-def decode_frame(raw: torch.Tensor) -> dict:
+def decode_frame(raw: torch.Tensor, max_message_bytes: int = 0) -> dict:
+    """The frame's fields, each checked (types, counts, sizes, and the buffers' total against
+    `max_message_bytes` when > 0) before anything is allocated for them: `TransportError`
+    naming the field otherwise. The frame is the peer's: nothing in it is trusted."""
     data = raw.numpy().tobytes()
+    if len(data) < 4:
+        raise TransportError(f"frame: {len(data)} bytes, shorter than its length prefix")
     (length,) = struct.unpack_from("<I", data)
     if length + 4 > len(data):
         raise TransportError(f"frame: announces {length} bytes, holds {len(data) - 4}")
-    return json.loads(data[4:4 + length])
+    try:
+        meta = json.loads(data[4:4 + length])
+    except ValueError as exc:
+        raise TransportError(f"frame: not JSON ({exc})") from None
+    _check_frame(meta, max_message_bytes)
+    return meta
+
+
+def _check_frame(meta, max_message_bytes: int) -> None:
+    if not isinstance(meta, dict):
+        raise TransportError("frame: not a JSON object")
+    for key, kind in (("request_id", str), ("seq", int), ("name", str), ("header", str),
+                      ("buffers", list)):
+        if not isinstance(meta.get(key), kind) or isinstance(meta.get(key), bool):
+            raise TransportError(f"frame.{key}: missing or not a {kind.__name__}")
+    buffers = meta["buffers"]
+    check_buffer_count(meta["name"], len(buffers))
+    total = 0
+    for entry in buffers:
+        if (not isinstance(entry, list) or len(entry) != 3 or not isinstance(entry[0], str)
+                or not isinstance(entry[1], int) or isinstance(entry[1], bool) or entry[1] < 0
+                or entry[2] not in MEMORY_KINDS):
+            raise TransportError(f"frame.buffers: {str(entry)[:80]} is not [name, bytes >= 0, "
+                                 f"one of {MEMORY_KINDS}]")
+        total += entry[1]
+    if max_message_bytes and total > max_message_bytes:
+        raise TransportError(f"frame.buffers: {total} bytes in all, beyond this receiver's "
+                             f"limit of {max_message_bytes}")
 
 
 def wire_view(buffer: torch.Tensor):

@@ -36,8 +36,7 @@ from rekv_core import streams
 from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.base import Message, ReceiveState, TransportError, TransportReceiver
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
-from rekv_core.transport.ucx.framing import (check_buffer_count, decode_frame, message_tag,
-                                             wire_view)
+from rekv_core.transport.ucx.framing import decode_frame, message_tag, wire_view
 
 PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
 
@@ -94,13 +93,15 @@ class _Inbox:
 class UcxReceiver(TransportReceiver):
     """Decode side. `address` is what the prefill side must be told (host:port); `prefetch` is how
     many messages each open request's reader may receive ahead of its consumer; `device` is where
-    buffers sent from device memory land. With `shared_engine` the engine came from
-    `acquire_engine`, and `shutdown` gives it back."""
+    buffers sent from device memory land; `max_message_bytes` (> 0) bounds what one message's
+    frame may announce, checked before anything is allocated for it. With `shared_engine` the
+    engine came from `acquire_engine`, and `shutdown` gives it back."""
 
     def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
                  device: torch.device | str = "cpu", drain_seconds: float = 5.0,
-                 prefetch: int = 4, shared_engine: bool = False):
+                 prefetch: int = 4, shared_engine: bool = False, max_message_bytes: int = 0):
         self._engine = engine
+        self.max_message_bytes = max_message_bytes
         self._shared_engine = shared_engine
         self._device = torch.device(device)
         self._landing = streams.side_stream(self._device)
@@ -219,11 +220,10 @@ class UcxReceiver(TransportReceiver):
 
     async def _recv_message(self, request_id: str, seq: int, frame: torch.Tensor,
                             device=None) -> Message:
-        meta = decode_frame(frame)
+        meta = decode_frame(frame, self.max_message_bytes)
         if meta["request_id"] != request_id or meta["seq"] != seq:
             raise TransportError(f"request {request_id}: frame of request {meta['request_id']} "
                                  f"message {meta['seq']} under the tag of message {seq}")
-        check_buffer_count(meta["name"], len(meta["buffers"]))
         buffers, receives = {}, []
         for part, (name, nbytes, kind) in enumerate(meta["buffers"], start=1):
             where = device or (self._device if kind == "cuda" else torch.device("cpu"))

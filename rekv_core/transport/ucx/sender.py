@@ -4,8 +4,8 @@
 message as its tagged parts (`framing`): the frame, then each buffer from where it lives; device
 buffers only after their `ready` event (UCX reads them outside every stream, `rekv_core.streams`).
 Parts are posted on the engine loop in call order, so a request's messages leave in order; `flush`
-waits for a request's sends to complete. `UcxSenderPool` keeps one `UcxSender` per receiver address, made on
-first use and reused; with `pace_gbps` > 0 each is wrapped in a `PacedSender`.
+waits for a request's sends to complete. `UcxSenderPool` keeps one `UcxSender` per receiver
+address, made on first use and reused; with `pace_gbps` > 0 each is wrapped in a `PacedSender`.
 """
 
 from __future__ import annotations
