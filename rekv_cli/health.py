@@ -5,9 +5,12 @@ answer in time, NOT_SERVING, unknown service). It is what the images' HEALTHCHEC
     rekv health [--address HOST:PORT] [--service NAME] [--timeout S]
 
 The default address is this host's own service: 127.0.0.1 (or REKV_HOST when that names one
-address rather than every interface) at REKV_GRPC_PORT, or 50051 when that is unset. The default
-service "" is the server as a whole, which turns SERVING once the worker is ready and NOT_SERVING
-when it begins a graceful shutdown.
+address rather than every interface) at its health port. With TLS configured (REKV_TLS_CERT set
+and REKV_PLAINTEXT not true) that is REKV_HEALTH_PORT (50052 when unset), where the service serves
+grpc.health.v1 alone in plaintext, as this check speaks it; otherwise REKV_GRPC_PORT (50051 when
+unset), whose plaintext server has the health service too. The default service "" is the server
+as a whole, which turns SERVING once the worker is ready and NOT_SERVING when it begins a graceful
+shutdown.
 
 `python -m rekv_cli.health` runs the same check without loading the rest of the `rekv` command
 (whose planner imports PyTorch, seconds of CPU per call): the images' HEALTHCHECK uses it.
@@ -20,19 +23,31 @@ import os
 import sys
 
 DEFAULT_PORT = 50051
+DEFAULT_HEALTH_PORT = 50052  # the images' and the Helm chart's REKV_HEALTH_PORT
 DEFAULT_TIMEOUT_S = 3.0
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
+def tls_configured(env: dict[str, str]) -> bool:
+    """Whether the service serves TLS: REKV_TLS_CERT set and REKV_PLAINTEXT not true (as
+    services/settings.py reads them)."""
+    plaintext = env.get("REKV_PLAINTEXT", "").strip().lower() in ("1", "true", "yes")
+    return bool(env.get("REKV_TLS_CERT", "").strip()) and not plaintext
+
+
 def default_address(env: dict[str, str] | None = None) -> str:
-    """127.0.0.1 (or REKV_HOST if it names one address) and REKV_GRPC_PORT (or 50051)."""
+    """127.0.0.1 (or REKV_HOST if it names one address) and, with TLS, REKV_HEALTH_PORT (or
+    50052), the plaintext health-only port; else REKV_GRPC_PORT (or 50051)."""
     env = os.environ if env is None else env
     host = env.get("REKV_HOST", "").strip()
     if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
     elif ":" in host and not host.startswith("["):
         host = f"[{host}]"  # an IPv6 address
-    port = env.get("REKV_GRPC_PORT", "").strip() or str(DEFAULT_PORT)
+    if tls_configured(env):
+        port = env.get("REKV_HEALTH_PORT", "").strip() or str(DEFAULT_HEALTH_PORT)
+    else:
+        port = env.get("REKV_GRPC_PORT", "").strip() or str(DEFAULT_PORT)
     return f"{host}:{port}"
 
 
@@ -70,8 +85,10 @@ def _first_line(text: str | None) -> str:
 
 def add_health_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--address", default=None, metavar="HOST:PORT",
-                        help="the service's gRPC address (default 127.0.0.1:$REKV_GRPC_PORT, "
-                             f"or port {DEFAULT_PORT} when that is unset)")
+                        help="the service's plaintext health address (default: with TLS "
+                             f"configured 127.0.0.1:$REKV_HEALTH_PORT, or port "
+                             f"{DEFAULT_HEALTH_PORT}; else 127.0.0.1:$REKV_GRPC_PORT, or port "
+                             f"{DEFAULT_PORT})")
     parser.add_argument("--service", default="", metavar="NAME",
                         help='the service to ask about (default "": the server as a whole), '
                              "e.g. rekv.v1.Prefill")

@@ -1,7 +1,8 @@
 """Start the two services as separate processes on this machine and stop them cleanly.
 
 `ServicePair(...)` starts `rekv serve prefill` then `rekv serve decode` pointed at it (on 127.0.0.1
-unless `--host` says otherwise; free ports chosen by the services and read back from their ready
+unless `--host` says otherwise; in plaintext unless the arguments or the environment give a
+certificate; free ports chosen by the services and read back from their ready
 files; each optionally under a command prefix such as `ip netns exec NS`), waits until both
 answer, and on `stop()` sends SIGTERM and waits for a clean exit (SIGKILL only past `stop_timeout`).
 Used by `rekv demo` and by the end-to-end tests; logs go to `log_dir`.
@@ -26,6 +27,8 @@ class ServiceProcess:
         self.ready_file = log_dir / f"{role}.ready.json"
         self.log_path = log_dir / f"{role}.log"
         self.ready_file.unlink(missing_ok=True)
+        if "--tls-cert" not in args and "REKV_TLS_CERT" not in {**os.environ, **(env or {})}:
+            args = ["--plaintext", "true", *args]  # on this machine's loopback, said explicitly
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
             [*prefix, sys.executable, "-m", "rekv_cli", "serve", role, "--ready-file",

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from rekv_core.handoff import Action, wire_bytes
 from rekv_core.transport import TransportOptions
 from rekv_core.units import MiB
+from services import tls
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
 
@@ -64,6 +65,17 @@ class Worker:
                                 pace_gbps=s.pace_gbps, max_message_bytes=largest + MiB)
 
 
+def _health_only_server(settings: ServiceSettings, health_servicer
+                        ) -> tuple[grpc.aio.Server, int]:
+    """With TLS: grpc.health.v1 alone, in plaintext, for probes that cannot speak TLS."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(f"{settings.host}:{settings.health_port}")
+    if not port:
+        raise OSError(f"health_port: cannot bind {settings.host}:{settings.health_port}")
+    return server, port
+
+
 def run(settings: ServiceSettings, build: Build) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -83,11 +95,19 @@ async def serve(settings: ServiceSettings, build: Build) -> int:
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    grpc_port = server.add_insecure_port(f"{settings.host}:{settings.grpc_port}")
+    credentials = tls.server_credentials(settings)
+    address = f"{settings.host}:{settings.grpc_port}"
+    grpc_port = (server.add_secure_port(address, credentials) if credentials
+                 else server.add_insecure_port(address))
     if not grpc_port:
-        raise OSError(f"grpc_port: cannot bind {settings.host}:{settings.grpc_port}")
+        raise OSError(f"grpc_port: cannot bind {address}")
+    probes = _health_only_server(settings, health_servicer) if credentials else None
     metrics_port = metrics.serve(settings.host, settings.metrics_port)
+    log.log(logging.WARNING if settings.plaintext else logging.INFO, "%s service security: %s",
+            settings.role, tls.describe(settings))
     await server.start()
+    if probes is not None:
+        await probes[0].start()
     for name in ("", *names[:-2]):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
 
@@ -96,7 +116,8 @@ async def serve(settings: ServiceSettings, build: Build) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     ready = {"role": settings.role, "grpc": f"{settings.host}:{grpc_port}",
-             "metrics": f"{settings.host}:{metrics_port}", **extra}
+             "metrics": f"{settings.host}:{metrics_port}", "tls": credentials is not None,
+             **({"health": f"{settings.host}:{probes[1]}"} if probes else {}), **extra}
     log.info("%s service ready: %s", settings.role, json.dumps(ready))
     if settings.ready_file:
         path = Path(settings.ready_file)
@@ -107,6 +128,8 @@ async def serve(settings: ServiceSettings, build: Build) -> int:
     log.info("%s service stopping: in-flight calls have %.1f s", settings.role,
              settings.shutdown_grace_s)
     await health_servicer.enter_graceful_shutdown()
+    if probes is not None:
+        await probes[0].stop(0)
     await server.stop(settings.shutdown_grace_s)
     await drain()
     log.info("%s service stopped", settings.role)

@@ -85,12 +85,20 @@ class ServiceSettings:
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
     ready_file: str = ""  # when set: JSON with the bound ports, written once serving
+    # Mutual TLS on the gRPC planes (PEM files): this worker's certificate and key, and the CA
+    # its peers' certificates must chain to. Required unless `plaintext` is set explicitly.
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_ca: str = ""
+    tls_server_name: str = ""  # decode: the name prefill certificates carry (default: the address)
+    plaintext: bool = False  # serve and call without TLS (logged at start); only on trusted links
+    health_port: int = 0  # with TLS: a plaintext port serving only grpc.health.v1 (for probes)
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
-        for name in ("grpc_port", "metrics_port", "ucx_port"):
+        for name in ("grpc_port", "metrics_port", "ucx_port", "health_port"):
             port = getattr(self, name)
             if not 0 <= port < 65536:
                 raise ValueError(f"{name}: must lie in [0, 65535], got {port}")
@@ -116,6 +124,12 @@ class ServiceSettings:
             if self.host in WILDCARD_HOSTS and not self.advertise_host:
                 raise ValueError(f"advertise_host: required when host is {self.host!r}: the "
                                  f"address prefill workers reach this worker's UCX listener at")
+        if not self.plaintext:
+            missing = [n for n in ("tls_cert", "tls_key", "tls_ca") if not getattr(self, n)]
+            if missing:
+                raise ValueError(f"{missing[0]}: required for mutual TLS (with "
+                                 f"{', '.join(missing[1:]) or 'the other two files'}); set "
+                                 f"plaintext explicitly to serve without TLS")
         if self.prefill_refresh_s <= 0:
             raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
         self.runtime  # validates model, device and dtype

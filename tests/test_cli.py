@@ -58,6 +58,8 @@ def test_serve_rejects_bad_settings_by_name():
     assert result.returncode == 2 and "prefill_address" in result.stderr
     result = _rekv("serve", "prefill", "--codecs", "int3")
     assert result.returncode == 2 and "codecs" in result.stderr
+    result = _rekv("serve", "prefill")  # neither certificates nor an explicit plaintext
+    assert result.returncode == 2 and "tls_cert: required" in result.stderr
 
 
 def test_gate_on_synthetic_weights_needs_and_takes_a_tokenizer(tmp_path):

@@ -236,12 +236,19 @@ def test_environment_names_real_settings_and_ports_are_exposed(dockerfile):
     unknown = [key for key in env if key.startswith("REKV_") and key not in fields]
     assert not unknown, f"ENV names no setting: {unknown}"
     assert env["REKV_HOST"] == "0.0.0.0"
-    ports = {env[k] for k in ("REKV_GRPC_PORT", "REKV_METRICS_PORT", "REKV_UCX_PORT")}
+    names = ("REKV_GRPC_PORT", "REKV_METRICS_PORT", "REKV_UCX_PORT", "REKV_HEALTH_PORT")
+    ports = {env[k] for k in names}
     exposed = {p for k, a in final_stage(dockerfile) if k == "EXPOSE" for p in a.split()}
-    assert ports <= exposed and "0" not in ports, f"ports {ports}, EXPOSE {exposed}"
+    assert ports <= exposed and "0" not in ports and len(ports) == len(names), (ports, exposed)
     assert env["HOME"].startswith("/tmp") and env["TRITON_CACHE_DIR"].startswith("/tmp")
-    # the health check, run with the image's environment, asks the image's own gRPC port
-    assert default_address(env) == f"127.0.0.1:{env['REKV_GRPC_PORT']}"
+    # secure by default: the user chooses TLS files or plaintext, the image presets neither
+    assert not {"REKV_PLAINTEXT", "REKV_TLS_CERT", "REKV_TLS_KEY", "REKV_TLS_CA"} & env.keys()
+    # the health check, run with the image's environment, asks the image's own ports: gRPC in
+    # plaintext (-e REKV_PLAINTEXT=true), the health-only port once TLS files are configured
+    assert default_address({**env, "REKV_PLAINTEXT": "true"}) == (
+        f"127.0.0.1:{env['REKV_GRPC_PORT']}")
+    assert default_address({**env, "REKV_TLS_CERT": "/tls/tls.crt"}) == (
+        f"127.0.0.1:{env['REKV_HEALTH_PORT']}")
 
 
 @pytest.fixture(scope="module")
@@ -360,3 +367,20 @@ def test_rekv_health_defaults_to_this_hosts_grpc_port(health_server):
     assert default_address({"REKV_HOST": "::", "REKV_GRPC_PORT": "7"}) == "127.0.0.1:7"
     assert default_address({"REKV_HOST": "10.1.2.3"}) == "10.1.2.3:50051"
     assert default_address({"REKV_HOST": "fd00::1"}) == "[fd00::1]:50051"
+
+
+def test_rekv_health_asks_the_health_port_when_tls_is_configured(health_server):
+    """With TLS the service's gRPC port speaks only TLS; grpc.health.v1 is also served alone, in
+    plaintext, on REKV_HEALTH_PORT: the default address follows the service's settings."""
+    address, _ = health_server
+    port = address.rsplit(":", 1)[1]
+    tls = {"REKV_TLS_CERT": "/etc/rekv/tls/tls.crt", "REKV_GRPC_PORT": "1"}  # 1: nothing there
+    run = run_health(env={**tls, "REKV_HEALTH_PORT": port})
+    assert run.returncode == 0, run.stderr
+    assert default_address(tls) == "127.0.0.1:50052"  # REKV_HEALTH_PORT unset: the images' value
+    assert default_address({**tls, "REKV_HEALTH_PORT": "7"}) == "127.0.0.1:7"
+    for plaintext in ("true", "1", "YES"):  # plaintext wins over TLS files: the gRPC port
+        assert default_address({**tls, "REKV_PLAINTEXT": plaintext}) == "127.0.0.1:1"
+    assert default_address({**tls, "REKV_PLAINTEXT": "false"}) == "127.0.0.1:50052"
+    assert default_address({"REKV_HEALTH_PORT": "7", "REKV_GRPC_PORT": "8"}) == "127.0.0.1:8"
+    assert default_address({**tls, "REKV_HOST": "10.1.2.3"}) == "10.1.2.3:50052"

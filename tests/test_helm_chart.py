@@ -1,17 +1,15 @@
-"""The Helm chart, helm/rekv, checked without a cluster: helm lint and template (default values and
-ci/gpu-values.yaml), the rendered manifests against Kubernetes' schemas (kubernetes-validate) and
-checkov, the prometheus-operator monitors (CRDs, so outside those schemas) structurally, the
-rendered objects' contract (ports, labels, probes, NetworkPolicy, security), and golden copies.
-
-helm: `bash .ci/install-helm.sh` (.tools/bin/helm, else PATH); kubernetes-validate and checkov:
-`bash .ci/install-linters.sh`. Each test skips, saying so, where its tool is missing.
-Golden copies (ci/golden/<name>.yaml) leave out the dashboard ConfigMaps, which carry another
-file's content (test_dashboards_ship_as_configmaps checks them against dashboards/*.json);
-`REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden` rewrites them.
-"""
+"""The Helm chart, helm/rekv, checked without a cluster for each of VALUE_SETS (default values,
+ci/gpu-values.yaml, TLS off): helm lint and template, Kubernetes' schemas (kubernetes-validate),
+checkov, the prometheus-operator monitors (CRDs) structurally, the rendered contract (ports,
+labels, probes, TLS, NetworkPolicy, security), and golden copies ci/golden/<name>.yaml (without
+the dashboard ConfigMaps, which hold dashboards/*.json; the generated TLS Secret's random data as
+GENERATED): `REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden` rewrites them. Tools
+(.tools/bin, else PATH): `bash .ci/install-helm.sh`, `bash .ci/install-linters.sh`; tests skip,
+saying so, where their tool is missing."""
 
 from __future__ import annotations
 
+import base64
 import importlib.util
 import json
 import os
@@ -20,16 +18,22 @@ import shutil
 import subprocess
 import sys
 import tomllib
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "helm" / "rekv"
 GOLDEN = CHART / "ci" / "golden"
 RELEASE = NAMESPACE = "rekv"
-VALUE_SETS = {"default": [], "gpu": ["-f", str(CHART / "ci" / "gpu-values.yaml")]}
+VALUE_SETS = {"default": [], "gpu": ["-f", str(CHART / "ci" / "gpu-values.yaml")], "plaintext": [
+    "--set", "tls.enabled=false,networkPolicy.allowHealthFromAnywhere=true"]}
+TLS_ENV = {"REKV_TLS_CERT": "/etc/rekv/tls/tls.crt", "REKV_TLS_KEY": "/etc/rekv/tls/tls.key",
+           "REKV_TLS_CA": "/etc/rekv/tls/ca.crt", "REKV_HEALTH_PORT": "50052"}
 MONITORING = "monitoring.coreos.com/v1"
 DASHBOARDS = "dashboards"  # app.kubernetes.io/component of the dashboard ConfigMaps
 # Every checkov skip the chart may annotate, each justified where it is set (_helpers.tpl).
@@ -37,32 +41,28 @@ ALLOWED_SKIPS = {"CKV_K8S_43", "CKV_K8S_15", "CKV_K8S_18", "CKV_K8S_25"}
 TIMEOUT_S = 300
 
 
-def tool(name: str) -> str | None:
+def tool(name: str, installer: str = "install-linters") -> str:
     local = ROOT / ".tools" / "bin" / name
-    return str(local) if os.access(local, os.X_OK) else shutil.which(name)
+    found = str(local) if os.access(local, os.X_OK) else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} not found (.tools/bin/{name} or PATH): bash .ci/{installer}.sh")
+    return found
 
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    found = tool("helm")
-    if found is None:
-        pytest.skip("helm not found (.tools/bin/helm or PATH): bash .ci/install-helm.sh")
-    return found
+    return tool("helm", "install-helm")
 
 
-def template(helm: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def template_text(helm: str, *args: str) -> str:
-    run = template(helm, *args)
-    assert run.returncode == 0, run.stderr
-    return run.stdout
+def template(helm: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    run = subprocess.run([helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args],
+                         capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert run.returncode == 0 or not check, run.stderr
+    return run
 
 
 def render(helm: str, *args: str) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(template_text(helm, *args)) if doc]
+    return [doc for doc in yaml.safe_load_all(template(helm, *args).stdout) if doc]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,7 @@ def rendered(helm) -> dict[str, list[dict]]:
 @pytest.fixture(scope="module")
 def everything(helm) -> list[dict]:
     """Every optional object and mount on."""
-    return render(helm, "--set", "tls.enabled=true,tls.secretName=rekv-tls,"
+    return render(helm, "--set", "tls.secretName=my-tls,networkPolicy.allowHealthFromAnywhere=true,"
                   "monitoring.serviceMonitor.enabled=true,prefill.autoscaling.enabled=true,"
                   "model.source=hostPath,model.hostPath.path=/m,"
                   "plan.policy.existingConfigMap=gates", "--set-json", 'plan.profile.inline="{}"')
@@ -101,7 +101,6 @@ def matches(selector: dict, labels: dict) -> bool:
 
 
 # -------------------------------------------------------------------------------- chart and tools
-
 def test_app_version_is_pyprojects_version():
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -111,7 +110,6 @@ def test_app_version_is_pyprojects_version():
 def test_values_schema_is_generated_from_values():
     """No drift (`tools/chart_schema.py --check`), and its codec enum is the registry's."""
     from rekv_core.codecs import codec_names
-
     tool_path = ROOT / "tools" / "chart_schema.py"
     run = subprocess.run([sys.executable, str(tool_path), "--check"],
                          capture_output=True, text=True, timeout=TIMEOUT_S)
@@ -129,16 +127,11 @@ def test_helm_lint_strict(helm, name):
 
 
 def test_manifests_pass_kubernetes_schemas(rendered, everything, tmp_path):
-    """Strict (unknown fields rejected) at the chart's oldest Kubernetes and the newest known.
-    The monitors are CRDs the schemas lack: test_monitors_* check them."""
+    """Strict, at the chart's oldest Kubernetes and the newest known; CRDs: test_monitors_*."""
     validate = tool("kubernetes-validate")
-    if validate is None:
-        pytest.skip("kubernetes-validate not found (.tools/bin or PATH): "
-                    "bash .ci/install-linters.sh")
-    files = []
-    for name, docs in {**rendered, "everything": everything}.items():
-        files.append(tmp_path / f"{name}.yaml")
-        files[-1].write_text(yaml.safe_dump_all([d for d in docs if d["apiVersion"] != MONITORING]))
+    files = [tmp_path / f"{name}.yaml" for name in (*rendered, "everything")]
+    for path, docs in zip(files, [*rendered.values(), everything]):
+        path.write_text(yaml.safe_dump_all([d for d in docs if d["apiVersion"] != MONITORING]))
     floor = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
     for version in (re.search(r"[0-9]+\.[0-9]+\.[0-9]+", floor).group(), None):
         run = subprocess.run([validate, "--strict", "--quiet",
@@ -148,17 +141,14 @@ def test_manifests_pass_kubernetes_schemas(rendered, everything, tmp_path):
 
 
 def test_checkov_finds_nothing_unjustified(rendered, everything, tmp_path):
-    """Default values, GPU values and every switch on; a skip is an annotation with its reason."""
+    """Every value set and every switch on; a skip is an annotation with its reason."""
     checkov = tool("checkov")
-    if checkov is None:
-        pytest.skip("checkov not found (.tools/bin/checkov or PATH): bash .ci/install-linters.sh")
     for name, docs in {**rendered, "everything": everything}.items():
         (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(docs))
     run = subprocess.run([checkov, "-d", str(tmp_path), "--framework", "kubernetes", "--compact",
                           "--skip-download", "-o", "json"], capture_output=True, text=True,
                          timeout=TIMEOUT_S, env={**os.environ, "BC_SKIP_MAPPING": "TRUE"})
-    report = json.loads(run.stdout)
-    report = report[0] if isinstance(report, list) else report  # one framework: one report
+    report = r[0] if isinstance(r := json.loads(run.stdout), list) else r  # one per framework
     results = report["results"]
     assert not results["failed_checks"], [(c["check_id"], c["resource"], c["file_path"])
                                           for c in results["failed_checks"]]
@@ -169,21 +159,20 @@ def test_checkov_finds_nothing_unjustified(rendered, everything, tmp_path):
 
 
 # ------------------------------------------------------------------------------ rendered contract
-
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_ports_labels_probes_and_budgets_agree(rendered, name):
     docs = rendered[name]
-    services = objects(docs, "Service")
+    services, budgets = objects(docs, "Service"), objects(docs, "PodDisruptionBudget")
+    assert sorted(budgets) == ["rekv-decode", "rekv-prefill"]
     for role in ("prefill", "decode"):
         pod = deployment(docs, role)["spec"]["template"]
-        assert matches(deployment(docs, role)["spec"]["selector"]["matchLabels"],
-                       pod["metadata"]["labels"])
+        assert all(matches(o["spec"]["selector"]["matchLabels"], pod["metadata"]["labels"])
+                   for o in (deployment(docs, role), budgets[f"rekv-{role}"]))
         ports = {p["name"]: p["containerPort"] for p in container(docs, role)["ports"]}
         assert ports["grpc"] == 50051 and ports["metrics"] == 9400
         assert ("ucx" in ports) == (role == "decode")
-        for kind in ("startup", "readiness", "liveness"):
-            probe = container(docs, role)[f"{kind}Probe"]
-            assert probe["grpc"] == {"port": ports["grpc"]}, probe  # service "": the server
+        assert [container(docs, role)[f"{kind}Probe"]["grpc"] for kind in ("startup", "readiness",
+                "liveness")] == 3 * [{"port": ports["grpc" if name == "plaintext" else "health"]}]
         assert container(docs, role)["args"] == ["serve", role]
         other = deployment(docs, "decode" if role == "prefill" else "prefill")["spec"]["template"]
         for service in services.values():
@@ -197,11 +186,6 @@ def test_ports_labels_probes_and_budgets_agree(rendered, name):
     assert env(docs, "decode")["REKV_PREFILL_ADDRESS"]["value"] == (
         "dns:///rekv-prefill-headless.rekv.svc.cluster.local:50051")
     assert "REKV_PREFILL_ADDRESS" not in env(docs, "prefill")
-    budgets = objects(docs, "PodDisruptionBudget")
-    assert sorted(budgets) == ["rekv-decode", "rekv-prefill"]
-    for role in ("prefill", "decode"):
-        assert matches(budgets[f"rekv-{role}"]["spec"]["selector"]["matchLabels"],
-                       deployment(docs, role)["spec"]["template"]["metadata"]["labels"])
 
 
 @pytest.mark.parametrize("name", VALUE_SETS)
@@ -215,12 +199,15 @@ def test_environment_and_security(rendered, name):
         assert variables["REKV_GRPC_PORT"]["value"] == "50051"
         assert variables["REKV_METRICS_PORT"]["value"] == "9400"
         assert ("REKV_UCX_PORT" in variables) == (role == "decode")
+        tls = {k: v["value"] for k, v in variables.items()
+               if re.match("REKV_(TLS|HEALTH|PLAINTEXT)", k)}
+        assert tls == ({"REKV_PLAINTEXT": "true"} if name == "plaintext" else TLS_ENV | (
+            {"REKV_TLS_SERVER_NAME": "rekv-prefill"} if role == "decode" else {}))
         spec = deployment(docs, role)["spec"]["template"]["spec"]
         grace = float(variables["REKV_SHUTDOWN_GRACE_S"]["value"])
         assert spec["terminationGracePeriodSeconds"] > grace + 5  # + the preStop sleep
-        pod_security = spec["securityContext"]
-        assert pod_security["runAsNonRoot"] and pod_security["runAsUser"] == 10001
-        assert pod_security["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert matches({"runAsNonRoot": True, "runAsUser": 10001,
+                        "seccompProfile": {"type": "RuntimeDefault"}}, spec["securityContext"])
         # no Service links: they would add REKV_PREFILL_PORT and the like to the environment
         assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
         security = container(docs, role)["securityContext"]
@@ -231,6 +218,8 @@ def test_environment_and_security(rendered, name):
         assert mounts["/tmp"] == "tmp" and "emptyDir" in volumes["tmp"]
         assert mounts["/dev/shm"] == "shm" and volumes["shm"]["emptyDir"]["medium"] == "Memory"
         assert volumes["shm"]["emptyDir"]["sizeLimit"]
+        assert [v["secret"]["secretName"] for v in spec["volumes"] if v["name"] == "tls"] == (
+            sorted(objects(docs, "Secret"))) == ([] if name == "plaintext" else ["rekv-tls"])
 
 
 def test_gpu_values_request_accelerators_rdma_and_the_model_volume(rendered, helm):
@@ -259,7 +248,7 @@ def test_gpu_values_request_accelerators_rdma_and_the_model_volume(rendered, hel
     assert container(amd, "decode")["resources"]["limits"]["amd.com/gpu"] == 1
 
 
-def test_network_policy_admits_exactly_the_data_flows(rendered):
+def test_network_policy_admits_exactly_the_data_flows(rendered, everything):
     docs = rendered["default"]
     policies = objects(docs, "NetworkPolicy")
     labels = {role: deployment(docs, role)["spec"]["template"]["metadata"]["labels"]
@@ -288,10 +277,13 @@ def test_network_policy_admits_exactly_the_data_flows(rendered):
     for ports in (decode, prefill):
         assert ports[9400][0]["podSelector"]["matchLabels"] == {
             "app.kubernetes.io/name": "prometheus"}
-    ranges = {r["ports"][-1].get("endPort") for p in policies.values()
-              for r in p["spec"]["ingress"] if r["ports"][-1]["port"] == 13340}
-    assert ranges == {13379}
+    assert {r["ports"][-1].get("endPort") for p in policies.values()
+            for r in p["spec"]["ingress"] if r["ports"][-1]["port"] == 13340} == {13379}
     assert env(docs, "prefill")["UCX_TCP_PORT_RANGE"]["value"] == "13340-13379"
+    for docs, wanted in ((rendered["plaintext"], []), (everything, [50052])):  # health from all:
+        for policy in objects(docs, "NetworkPolicy").values():  # TLS only, never the gRPC port
+            assert [p["port"] for r in policy["spec"]["ingress"] if "from" not in r
+                    for p in r["ports"]] == wanted
 
 
 @pytest.mark.parametrize("kind", ["ServiceMonitor", "PodMonitor"])
@@ -300,24 +292,16 @@ def test_monitors_select_their_role_and_name_real_ports(rendered, everything, ki
     monitors = objects(docs, kind)
     assert sorted(monitors) == ["rekv-decode", "rekv-prefill"]
     for role in ("prefill", "decode"):
-        monitor = monitors[f"rekv-{role}"]
-        assert monitor["apiVersion"] == MONITORING
-        spec = monitor["spec"]
+        assert monitors[f"rekv-{role}"]["apiVersion"] == MONITORING
+        spec, service = monitors[f"rekv-{role}"]["spec"], kind == "ServiceMonitor"
         assert spec["namespaceSelector"] == {"matchNames": [NAMESPACE]}
-        selector = spec["selector"]["matchLabels"]
-        if kind == "ServiceMonitor":
-            targets = [s for s in objects(docs, "Service").values()
-                       if matches(selector, s["metadata"]["labels"])]
-            assert [t["metadata"]["name"] for t in targets] == [f"rekv-{role}"]
-            names = {p["name"] for p in targets[0]["spec"]["ports"]}
-            endpoints = spec["endpoints"]
-        else:
-            targets = [d for d in objects(docs, "Deployment").values()
-                       if matches(selector, d["spec"]["template"]["metadata"]["labels"])]
-            assert [t["metadata"]["name"] for t in targets] == [f"rekv-{role}"]
-            names = {p["name"] for p in container(docs, role)["ports"]}
-            endpoints = spec["podMetricsEndpoints"]
-        for endpoint in endpoints:
+        targets = [t for t in objects(docs, "Service" if service else "Deployment").values()
+                   if matches(spec["selector"]["matchLabels"],
+                              (t if service else t["spec"]["template"])["metadata"]["labels"])]
+        assert [t["metadata"]["name"] for t in targets] == [f"rekv-{role}"]
+        names = {p["name"] for p in (targets[0]["spec"] if service else container(docs, role))
+                 ["ports"]}
+        for endpoint in spec["endpoints" if service else "podMetricsEndpoints"]:
             assert endpoint["port"] in names and endpoint["path"] == "/metrics"
             assert re.fullmatch(r"[0-9]+(ms|s|m|h)", endpoint["interval"])
             assert {"sourceLabels": ["__meta_kubernetes_pod_label_app_kubernetes_io_component"],
@@ -331,20 +315,15 @@ def test_dashboards_ship_as_configmaps(rendered):
         maps = [d for d in objects(docs, "ConfigMap").values()
                 if d["metadata"]["labels"].get("app.kubernetes.io/component") == DASHBOARDS]
         assert len(maps) == len(files)
-        shipped = {key: value for m in maps for key, value in m["data"].items()}
-        assert sorted(shipped) == [f.name for f in files]
-        for path in files:
-            assert json.loads(shipped[path.name]) == json.loads(path.read_text())
-        for m in maps:
-            assert m["metadata"]["labels"]["grafana_dashboard"] == "1"
-            assert m["metadata"]["annotations"] == {"grafana_folder": "rekv"}
+        shipped = {key: json.loads(value) for m in maps for key, value in m["data"].items()}
+        assert shipped == {path.name: json.loads(path.read_text()) for path in files}
+        assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" and m["metadata"][
+            "annotations"] == {"grafana_folder": "rekv"} for m in maps)
 
 
 def test_optional_mounts_tls_plan_files_and_host_path_model(everything):
     docs = everything
-    files = {"REKV_TLS_CERT": "/etc/rekv/tls/tls.crt", "REKV_TLS_KEY": "/etc/rekv/tls/tls.key",
-             "REKV_TLS_CA": "/etc/rekv/tls/ca.crt", "REKV_MODEL": "/models",
-             "REKV_PROFILE": "/etc/rekv/plan/profile.json",
+    files = {**TLS_ENV, "REKV_MODEL": "/models", "REKV_PROFILE": "/etc/rekv/plan/profile.json",
              "REKV_POLICY": "/etc/rekv/plan/policy.json"}
     for role in ("prefill", "decode"):
         assert {name: env(docs, role)[name]["value"] for name in files} == files
@@ -352,11 +331,34 @@ def test_optional_mounts_tls_plan_files_and_host_path_model(everything):
         assert mounts["/etc/rekv/tls"]["readOnly"] and mounts["/etc/rekv/plan"]["readOnly"]
         volumes = {v["name"]: v for v in deployment(docs, role)["spec"]["template"]["spec"]
                    ["volumes"]}
-        assert volumes["tls"]["secret"]["secretName"] == "rekv-tls"
+        assert volumes["tls"]["secret"]["secretName"] == "my-tls"  # tls.secretName: no Secret
         sources = [s["configMap"]["name"] for s in volumes["plan"]["projected"]["sources"]]
         assert sources == ["rekv-plan", "gates"]
         assert volumes["model"]["hostPath"] == {"path": "/m", "type": "Directory"}
     assert objects(docs, "ConfigMap")["rekv-plan"]["data"] == {"profile.json": "{}"}
+    assert not objects(docs, "Secret")
+
+
+def test_generated_tls_secret_serves_mutual_tls_for_both_roles(rendered):
+    """A CA and one certificate, server and client alike: a handshake as the services make it
+    (client certificate required; the name checked, not the address) for every Service name."""
+    secret = objects(rendered["default"], "Secret")["rekv-tls"]
+    pem = {key: base64.b64decode(value) for key, value in secret["data"].items()}
+    assert secret["type"] == "kubernetes.io/tls" and sorted(pem) == ["ca.crt", "tls.crt", "tls.key"]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # "": SERVING
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials(
+        [(pem["tls.key"], pem["tls.crt"])], pem["ca.crt"], require_client_auth=True))
+    server.start()
+    names = [f"rekv-{role}{kind}{domain}" for role in ("prefill", "decode") for kind in (
+        "", "-headless") for domain in ("", ".rekv.svc", ".rekv.svc.cluster.local")]
+    credentials = grpc.ssl_channel_credentials(pem["ca.crt"], pem["tls.key"], pem["tls.crt"])
+    for name in [env(rendered["default"], "decode")["REKV_TLS_SERVER_NAME"]["value"], *names]:
+        with grpc.secure_channel(f"127.0.0.1:{port}", credentials,
+                                 options=[("grpc.ssl_target_name_override", name)]) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+    server.stop(None)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -365,17 +367,18 @@ def test_optional_mounts_tls_plan_files_and_host_path_model(everything):
     ("monitoring.serviceMonitor.enabled=true,monitoring.podMonitor.enabled=true", "not both"),
     ("config.codecs={int9}", "config.codecs"),
     ("ucx.tcpPortRange=13379-13340", "ucx.tcpPortRange"),
+    ("ports.health=9400", "ports.health"),
     ("prefil.replicas=2", "prefil"),
 ])
 def test_invalid_values_fail_naming_the_value(helm, args, message):
-    run = template(helm, "--set", args)
+    run = template(helm, "--set", args, check=False)
     assert run.returncode != 0 and message in run.stderr, run.stderr
 
 
 # ---------------------------------------------------------------------------------------- golden
-
-def without_dashboards(text: str) -> str:
-    """The rendered text without the dashboard ConfigMaps (their content is another file's)."""
+def comparable(text: str) -> str:
+    """Without the dashboard ConfigMaps (another file's content); generated TLS data GENERATED."""
+    text = re.sub(r"^(  (tls\.crt|tls\.key|ca\.crt): ).+$", r"\1GENERATED", text, flags=re.M)
     kept = []
     for chunk in re.split(r"^---\n", text, flags=re.M):
         doc = yaml.safe_load(chunk) if chunk.strip() else None
@@ -388,10 +391,9 @@ def without_dashboards(text: str) -> str:
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_render_matches_golden_copy(helm, name):
-    text = without_dashboards(template_text(helm, *VALUE_SETS[name]))
+    text = comparable(template(helm, *VALUE_SETS[name]).stdout)
     path = GOLDEN / f"{name}.yaml"
     if os.environ.get("REKV_UPDATE_GOLDEN") == "1":
-        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
     assert path.exists() and text == path.read_text(), (
         f"the chart renders differently from {path.relative_to(ROOT)}; if intended: "

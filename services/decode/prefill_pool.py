@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable
 import logging
 import socket
 import time
@@ -56,7 +57,10 @@ class PrefillPeer:
 
 
 class PrefillPool:
-    def __init__(self, prefill_address: str, refresh_s: float = 5.0, down_s: float = 5.0):
+    def __init__(self, prefill_address: str, refresh_s: float = 5.0, down_s: float = 5.0,
+                 connect: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
+        """`connect(address)` makes a peer's channel (the decode server passes `tls`'s)."""
+        self._connect = connect
         self.kind, targets = parse_prefill_address(prefill_address)
         self.target = targets[0] if self.kind == "dns" else None
         self.refresh_s, self.down_s = refresh_s, down_s
@@ -93,7 +97,7 @@ class PrefillPool:
     def _update(self, addresses: list[str]) -> None:
         for address in addresses:
             if address not in self.peers:
-                channel = grpc.aio.insecure_channel(address)
+                channel = self._connect(address)
                 self.peers[address] = PrefillPeer(address, channel,
                                                   rekv_pb2_grpc.PrefillStub(channel))
                 log.info("prefill pool: added %s", address)

@@ -35,7 +35,7 @@ from rekv_core.handoff.seal import new_key
 from rekv_core.model import KVCache
 from rekv_core.model.sampling import Sampler
 from rekv_core.plan.calibration import HandoffObservation
-from services import wire_convert
+from services import tls, wire_convert
 from services.calls import Completion, GenerateCall, HandoffCall, HandoffReport
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
@@ -217,7 +217,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
 
 async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
-    pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s)
+    pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s,
+                       connect=lambda address: tls.secure_channel(settings, address))
     await pool.start()
     servicer = DecodeServicer(worker, pool)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

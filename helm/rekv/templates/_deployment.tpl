@@ -108,6 +108,11 @@ spec:
               containerPort: {{ int $v.ports.ucx }}
               protocol: TCP
             {{- end }}
+            {{- if $v.tls.enabled }}
+            - name: health
+              containerPort: {{ include "rekv.probePort" $root }}
+              protocol: TCP
+            {{- end }}
           env:
             {{- include "rekv.env" $ctx | nindent 12 }}
           {{- include "rekv.probes" $ctx | nindent 10 }}
@@ -131,10 +136,11 @@ spec:
         {{- include "rekv.volumes" $ctx | nindent 8 }}
 {{- end }}
 
-{{/* Native gRPC probes against grpc.health.v1's overall service "" on ports.grpc. */}}
+{{/* Native gRPC probes against grpc.health.v1's overall service "": on ports.health with TLS
+(the kubelet's gRPC probes cannot speak TLS), else on ports.grpc. */}}
 {{- define "rekv.probes" -}}
 {{- $p := (index .root.Values .role).probes }}
-{{- $port := int .root.Values.ports.grpc }}
+{{- $port := include "rekv.probePort" .root }}
 {{- range $kind := list "startup" "readiness" "liveness" }}
 {{- $probe := index $p $kind }}
 {{ $kind }}Probe:
@@ -226,7 +232,7 @@ spec:
 {{- if $v.tls.enabled }}
 - name: tls
   secret:
-    secretName: {{ required "tls.secretName: required when tls.enabled" $v.tls.secretName }}
+    secretName: {{ include "rekv.tlsSecretName" .root }}
     defaultMode: 0440
     items:
       - key: tls.crt

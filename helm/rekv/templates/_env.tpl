@@ -1,6 +1,7 @@
 {{/*
 The container's environment: every service setting as REKV_<FIELD> (services/settings.py), the
-caches under /tmp, UCX's port range; context (dict "root" $ "role" role "config" roleConfig).
+TLS files (or REKV_PLAINTEXT=true with tls.enabled false), the caches under /tmp, UCX's port
+range; context (dict "root" $ "role" role "config" roleConfig).
 */}}
 {{- define "rekv.env" -}}
 {{- $v := .root.Values }}
@@ -79,6 +80,15 @@ caches under /tmp, UCX's port range; context (dict "root" $ "role" role "config"
   value: /etc/rekv/tls/tls.key
 - name: REKV_TLS_CA
   value: /etc/rekv/tls/ca.crt
+{{- if eq .role "decode" }}
+- name: REKV_TLS_SERVER_NAME
+  value: {{ include "rekv.tlsServerName" .root | quote }}
+{{- end }}
+- name: REKV_HEALTH_PORT
+  value: {{ include "rekv.probePort" .root | quote }}
+{{- else }}
+- name: REKV_PLAINTEXT
+  value: "true"
 {{- end }}
 - name: HOME
   value: /tmp

@@ -199,3 +199,28 @@ namespaceSelector} "default" defaultPodSelector); JSON. */}}
 checkov.io/skip{{ add1 $i }}: {{ $skip | quote }}
 {{- end }}
 {{- end }}
+
+{{/* The TLS Secret the pods mount: tls.secretName, else the one the chart generates. */}}
+{{- define "rekv.tlsSecretName" -}}
+{{- .Values.tls.secretName | default (printf "%s-tls" (include "rekv.fullname" .)) }}
+{{- end }}
+
+{{/* The name the decode pods expect in the prefill pods' certificate (REKV_TLS_SERVER_NAME). */}}
+{{- define "rekv.tlsServerName" -}}
+{{- .Values.tls.serverName | default (printf "%s-prefill" (include "rekv.fullname" .)) }}
+{{- end }}
+
+{{/* The port every probe asks: ports.health with TLS (plaintext health beside the TLS port),
+else ports.grpc. Fails when ports.health collides with another port. */}}
+{{- define "rekv.probePort" -}}
+{{- $ports := .Values.ports }}
+{{- if .Values.tls.enabled }}
+{{- $health := int $ports.health }}
+{{- if or (lt $health 1) (gt $health 65535) (has $health (list (int $ports.grpc) (int $ports.metrics) (int $ports.ucx))) }}
+{{- fail (printf "ports.health: must be a free port in 1-65535 other than ports.grpc, ports.metrics and ports.ucx, got %d" $health) }}
+{{- end }}
+{{- $health }}
+{{- else }}
+{{- int $ports.grpc }}
+{{- end }}
+{{- end }}
