@@ -38,6 +38,7 @@ def test_every_rpc_and_field_is_documented():
 def test_settings_come_from_flags_then_environment(monkeypatch):
     monkeypatch.setenv("REKV_MAX_PROMPT_TOKENS", "1000")
     monkeypatch.setenv("REKV_CODECS", "bf16,int4")
+    monkeypatch.setenv("REKV_PLAINTEXT", "true")
     s = ServiceSettings.from_args("decode", ["--prefill-address", "h:1", "--max-prompt-tokens",
                                              "2000"])
     assert s.max_prompt_tokens == 2000 and s.codecs == ("bf16", "int4")

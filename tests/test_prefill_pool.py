@@ -29,7 +29,7 @@ def test_bad_addresses_name_the_field(text):
 def test_settings_need_an_advertised_host_behind_a_wildcard():
     with pytest.raises(ValueError, match="advertise_host"):
         ServiceSettings(role="decode", host="0.0.0.0", prefill_address="p:1")
-    ServiceSettings(role="decode", host="0.0.0.0", advertise_host="10.1.2.3",
+    ServiceSettings(role="decode", host="0.0.0.0", advertise_host="10.1.2.3", plaintext=True,
                     prefill_address="dns:///p:1")
 
 

@@ -27,8 +27,8 @@ async def _start(settings: ServiceSettings, build):
 
 
 async def _generate(forced: tuple[str, int], n: int) -> tuple[list[int], rekv_pb2.Summary, dict]:
-    common = ["--transport", "inprocess", "--dtype", "bfloat16", "--torch-threads",
-              str(torch.get_num_threads())]
+    common = ["--transport", "inprocess", "--dtype", "bfloat16", "--plaintext", "true",
+              "--torch-threads", str(torch.get_num_threads())]
     prefill, port, drain_prefill, _ = await _start(
         ServiceSettings.from_args("prefill", common), build_prefill)
     decode_settings = ServiceSettings.from_args("decode",
