@@ -8,6 +8,7 @@ hand a malformed value on.
 from __future__ import annotations
 
 import logging
+import math
 
 from rekv_core.codecs import codec_names
 from rekv_core.handoff import Action, ActionKind, WireBytes
@@ -139,10 +140,14 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     unknown = [c for c in offer.codecs if c not in codec_names()]
     if unknown:
         raise InvalidArgument(f"offer.codecs: unknown codec(s) {unknown}")
-    costs = DecodeCosts(suffix_ms_per_layer=offer.suffix_ms_per_layer,
-                        restore_ms_per_mib=dict(offer.restore_ms_per_mib),
-                        join_ms=offer.join_ms, message_ms=offer.message_ms,
-                        link_gbps=offer.link_gbps, evidence=_evidence(offer, num_layers))
+    costs = DecodeCosts(
+        suffix_ms_per_layer=_amount(offer.suffix_ms_per_layer, "offer.suffix_ms_per_layer"),
+        restore_ms_per_mib={codec: _amount(ms, f"offer.restore_ms_per_mib[{codec!r}]")
+                            for codec, ms in offer.restore_ms_per_mib.items()},
+        join_ms=_amount(offer.join_ms, "offer.join_ms"),
+        message_ms=_amount(offer.message_ms, "offer.message_ms"),
+        link_gbps=_amount(offer.link_gbps, "offer.link_gbps"),
+        evidence=_evidence(offer, num_layers))
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
     return HandoffCall(
@@ -155,20 +160,31 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs))
 
 
+def _amount(value: float, field: str) -> float:
+    """A time, rate or size from a peer: finite and >= 0 (NaN fails both)."""
+    if not 0 <= value < math.inf:
+        raise InvalidArgument(f"{field}: must be a finite number >= 0, got {value}")
+    return value
+
+
 def _evidence(offer, num_layers: int) -> Evidence:
     kinds = {kind.value: kind for kind in ActionKind}
     over_model = {}
     for kind, ratio in offer.measured_over_model.items():
-        if kind in kinds:
+        if kind in kinds and 0 < ratio < math.inf:
             over_model[kinds[kind]] = ratio
         else:
-            log.warning("offer.measured_over_model: unknown action kind %r left out", kind)
+            log.warning("offer.measured_over_model: %r: %r left out", kind, ratio)
     measured = {}
     for m in offer.measured:
         try:
             action = action_from_proto(m.action, num_layers, "offer.measured.action")
         except InvalidArgument as exc:
             log.warning("%s: left out", exc)
+            continue
+        if not (0 <= m.median_ms < math.inf and m.count):
+            log.warning("offer.measured: %s with median %r ms over %d left out", action,
+                        m.median_ms, m.count)
             continue
         measured[action] = Measured(m.median_ms, m.median_prompt_len, m.count)
     return Evidence(over_model, measured)
@@ -191,7 +207,10 @@ def handoff_reply(response, num_layers: int) -> HandoffReply:
     """The prefill worker's answer (its candidates are for its logs and are not read back)."""
     return HandoffReply(
         action=action_from_proto(response.action, num_layers, "action"),
-        predicted_ms=response.predicted_ms, model_ms=response.model_ms,
-        prefill_ms=response.prefill_ms, q_ms=response.q_ms, send_ms=response.send_ms,
-        bytes=_wire_bytes_from_proto(response.bytes), link_gbps=response.link_gbps_estimate,
+        predicted_ms=_amount(response.predicted_ms, "predicted_ms"),
+        model_ms=_amount(response.model_ms, "model_ms"),
+        prefill_ms=_amount(response.prefill_ms, "prefill_ms"),
+        q_ms=_amount(response.q_ms, "q_ms"), send_ms=_amount(response.send_ms, "send_ms"),
+        bytes=_wire_bytes_from_proto(response.bytes),
+        link_gbps=_amount(response.link_gbps_estimate, "link_gbps_estimate"),
         queue_depth=response.queue_depth)
