@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rekv_cli.client import generate_request
 from services.rpc import rekv_pb2, rekv_pb2_grpc
 
 POLICIES = ("least_loaded", "round_robin")
@@ -73,22 +74,6 @@ class Routed:
     token_ids: list[int]
     text: str
     summary: rekv_pb2.Summary
-
-
-def generate_request(prompt: str | Sequence[int], max_new_tokens: int, request_id: str = "",
-                     forced_action: tuple[str, int] | None = None,
-                     sampling: dict | None = None) -> rekv_pb2.GenerateRequest:
-    request = rekv_pb2.GenerateRequest(request_id=request_id or f"router-{uuid.uuid4().hex[:12]}",
-                                       max_new_tokens=max_new_tokens)
-    if isinstance(prompt, str):
-        request.text = prompt
-    else:
-        request.token_ids.ids.extend(prompt)
-    if forced_action is not None:
-        request.forced_action.codec, request.forced_action.cut = forced_action
-    if sampling is not None:
-        request.sampling.CopyFrom(rekv_pb2.SamplingParams(**sampling))
-    return request
 
 
 class Router:
@@ -149,7 +134,8 @@ class Router:
                  ) -> Iterator[tuple[str, rekv_pb2.GenerateResponse]]:
         """Route one call and yield (replica address, response) as the tokens arrive; the last
         response carries the summary. `timeout` bounds the whole call, retries included."""
-        request = generate_request(prompt, max_new_tokens, request_id, forced_action, sampling)
+        request = generate_request(request_id or f"router-{uuid.uuid4().hex[:12]}", prompt,
+                                   max_new_tokens, forced_action, sampling)
         deadline = time.monotonic() + timeout
         tried: set[str] = set()
         while True:

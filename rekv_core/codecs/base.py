@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rekv_core.codecs.checksum import checksums as checksums_of
-from rekv_core.codecs.checksum import default_algorithm
+from rekv_core.codecs.checksum import default_algorithm, verify_checksums
 
 WIRE_MAGIC = b"RKVL"
 WIRE_VERSION = 1
@@ -157,17 +157,10 @@ class Codec(ABC):
         buffers = {name: b.contiguous() for name, b in encoded.buffers.items()}
         return self._decode(buffers, shape, _DTYPES[encoded.dtype])
 
-
     @staticmethod
     def _verify(encoded: EncodedKV) -> None:
-        try:
-            sums = checksums_of(encoded.buffers, encoded.checksum_algorithm)
-        except ValueError as exc:
-            raise CorruptPayloadError(str(exc)) from exc
-        for name, value in sums.items():
-            if value != encoded.checksums[name]:
-                raise CorruptPayloadError(f"buffer {name}: checksum mismatch "
-                                          f"({encoded.checksum_algorithm})")
+        verify_checksums(encoded.buffers, encoded.checksum_algorithm, encoded.checksums,
+                         CorruptPayloadError)
 
 
 _REGISTRY: dict[str, Callable[[], Codec]] = {}

@@ -40,3 +40,16 @@ def checksums(buffers: dict[str, torch.Tensor], algorithm: str) -> dict[str, int
         values = wsum64_many([buffers[n].detach().contiguous() for n in names])
         return dict(zip(names, values))
     return {name: checksum(b, algorithm) for name, b in buffers.items()}
+
+
+def verify_checksums(buffers: dict[str, torch.Tensor], algorithm: str, expected: dict[str, int],
+                     error: type[Exception] = ValueError, prefix: str = "") -> None:
+    """Raise `error("<prefix>buffer NAME: checksum mismatch (ALGORITHM)")` for the first buffer
+    whose checksum differs from `expected` (an unknown algorithm raises `error` too)."""
+    try:
+        found = checksums(buffers, algorithm)
+    except ValueError as exc:
+        raise error(f"{prefix}{exc}") from None
+    for name, value in found.items():
+        if value != expected[name]:
+            raise error(f"{prefix}buffer {name}: checksum mismatch ({algorithm})")

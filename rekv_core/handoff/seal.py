@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from rekv_core.codecs.checksum import checksums, default_algorithm
+from rekv_core.codecs.checksum import checksums, default_algorithm, verify_checksums
 from rekv_core.transport import Message, TransportError
 
 KEY_BYTES = 32
@@ -101,10 +101,4 @@ def check_checksums(message: Message) -> None:
     if set(expected) != set(message.buffers):
         raise SealError(f"{message.name}: checksums for {sorted(expected)}, buffers "
                         f"{sorted(message.buffers)}")
-    try:
-        found = checksums(message.buffers, algorithm)
-    except ValueError as exc:
-        raise SealError(f"{message.name}: {exc}") from None
-    for name, value in found.items():
-        if value != expected[name]:
-            raise SealError(f"{message.name}: buffer {name}: checksum mismatch ({algorithm})")
+    verify_checksums(message.buffers, algorithm, expected, SealError, f"{message.name}: ")
