@@ -49,6 +49,7 @@ class HandoffCall:
     offer: DecodeOffer
     forced_action: Action | None
     handoff_key: bytes = b""  # drawn by the decode worker; seals every data-plane message
+    encrypt: bool = False  # encrypt every data-plane buffer too (`seal.encrypt`)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import asyncio
 import grpc
 
 from rekv_core.codecs import CorruptPayloadError
+from rekv_core.handoff.transfer import TransferCancelled
 from rekv_core.transport import TransportError
 
 
@@ -14,13 +15,26 @@ class InvalidArgument(ValueError):
     """Bad input from the caller: INVALID_ARGUMENT, with a message naming the field."""
 
 
+class ResourceExhausted(RuntimeError):
+    """Beyond a bound of the worker (its queue, the memory for handoffs in flight):
+    RESOURCE_EXHAUSTED, at once, before anything is allocated for the call."""
+
+
+class HandoffFailed(RuntimeError):
+    """The handoff failed and the worker is set to fail fast rather than recompute: UNAVAILABLE."""
+
+
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed request ends with, and the reason label for metrics."""
     if isinstance(exc, InvalidArgument):
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
+    if isinstance(exc, ResourceExhausted):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"
+    if isinstance(exc, HandoffFailed):
+        return grpc.StatusCode.UNAVAILABLE, "handoff_failed"
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "timeout"
-    if isinstance(exc, (TransportError, CorruptPayloadError)):
+    if isinstance(exc, (TransportError, CorruptPayloadError, TransferCancelled)):
         return grpc.StatusCode.UNAVAILABLE, "transfer"
     if isinstance(exc, grpc.aio.AioRpcError):
         return exc.code(), "peer_" + exc.code().name.lower()

@@ -7,9 +7,17 @@ Histograms share buckets from 1 ms to 30 s.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 from rekv_core.handoff import Action, WireBytes
+from rekv_core.handoff.transfer import TransferState
 from rekv_core.plan.calibration import HandoffObservation
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -51,6 +59,12 @@ class ServiceMetrics:
         self.fallbacks = Counter("rekv_fallbacks", "Handoffs that fell back to recomputing the "
                                  "prompt from its token ids", ["reason"], registry=r)
         self.in_flight = Gauge("rekv_handoffs_in_flight", "Handoffs now in progress", registry=r)
+        self.transfers = Gauge("rekv_transfers", "Live transfers by state (TransferState)",
+                               ["state"], registry=r)
+        self.inflight_bytes = Gauge(
+            "rekv_inflight_bytes", "Memory declared by the admitted calls (admission control)",
+            registry=r)
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, open fds, CPU seconds
         self.queue = Gauge("rekv_queue_depth", "Requests waiting or running", registry=r)
         self.transport_pending = Gauge(
             "rekv_transport_pending", "Data-plane state still held: open or draining transfers "
@@ -58,6 +72,13 @@ class ServiceMetrics:
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
+
+    def watch_transfers(self, count) -> None:
+        """Export `count(state)`, the live transfers in each unfinished state."""
+        for state in TransferState:
+            if state not in (TransferState.DONE, TransferState.FAILED):
+                self.transfers.labels(state.name.lower()).set_function(
+                    lambda state=state: count(state))
 
     def record_received(self, handoff: HandoffObservation, predicted_ms: float,
                         bf16_bytes: int) -> None:

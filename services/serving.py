@@ -22,9 +22,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rekv_core.handoff import Action, wire_bytes
+from rekv_core.handoff.transfer import TransferBook
 from rekv_core.transport import TransportOptions
 from rekv_core.units import MiB
 from services import tls
+from services.admission import Admission
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
 
@@ -36,7 +38,8 @@ Build = Callable[[grpc.aio.Server, ServiceMetrics],
 
 
 class Worker:
-    """What both workers hold: settings, metrics, the model and its torch threads."""
+    """What both workers hold: settings, metrics, the model and its torch threads, the book of
+    live transfers and the admission bounds."""
 
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         runtime = settings.runtime
@@ -45,6 +48,15 @@ class Worker:
         self.threads = runtime.apply_threads()
         self.model = runtime.load_model()
         self.shape = self.model.shape
+        self.transfers = TransferBook()
+        what = "request" if settings.role == "decode" else "handoff"
+        self.admission = Admission(settings.max_concurrent + settings.max_queue,
+                                   settings.max_inflight_bytes, what)
+        metrics.watch_transfers(self.transfers.count)
+        metrics.inflight_bytes.set_function(lambda: self.admission.bytes)
+
+    def elem_bytes(self) -> int:
+        return self.model.dtype.itemsize
 
     def bf16_bytes(self, prompt_len: int) -> int:
         """What full BF16 transfer of a prompt this long moves: the saving's reference."""

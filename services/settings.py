@@ -26,6 +26,8 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # `UcxEngine(host_eager=True)`) and the loop catches up once the recompute is done
 # (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
+HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "replay")
 
 
 def split_host_port(address: str, what: str) -> tuple[str, int]:
@@ -74,6 +76,11 @@ class ServiceSettings:
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512  # the limit on a request's max_new_tokens
     max_concurrent: int = 4  # requests handled at once; more wait in the queue
+    # Admission control: calls beyond max_concurrent + max_queue, or whose handoff would take
+    # the memory held for handoffs in flight (KV, boundary, buffers) past max_inflight_bytes,
+    # end at once with RESOURCE_EXHAUSTED
+    max_queue: int = 64
+    max_inflight_bytes: int = 2 << 30
     codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
     link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
     pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
@@ -83,6 +90,13 @@ class ServiceSettings:
     profile: str = ""  # `rekv profile` output; empty: measure a short profile at start
     policy: str = ""  # `rekv gate` output; empty: the policy shipped for the model, if any
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
+    # decode: when a handoff fails, recompute the prompt here ("recompute": the request still
+    # completes) or end the call with UNAVAILABLE ("fail")
+    on_handoff_failure: str = "recompute"
+    # prefill, for the reliability tests only (logged at start): inject this fault into every
+    # handoff (services/prefill/faults.py); hold_* points hold it for fault_hold_s
+    fault_inject: str = ""
+    fault_hold_s: float = 30.0
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
     ready_file: str = ""  # when set: JSON with the bound ports, written once serving
     # Mutual TLS on the gRPC planes (PEM files): this worker's certificate and key, and the CA
@@ -92,6 +106,9 @@ class ServiceSettings:
     tls_ca: str = ""
     tls_server_name: str = ""  # decode: the name prefill certificates carry (default: the address)
     plaintext: bool = False  # serve and call without TLS (logged at start); only on trusted links
+    # decode: have every data-plane buffer encrypted (AES-256-GCM), for links others can read;
+    # every message is authenticated either way
+    encrypt_data_plane: bool = False
     health_port: int = 0  # with TLS: a plaintext port serving only grpc.health.v1 (for probes)
     log_level: str = "INFO"
 
@@ -102,7 +119,8 @@ class ServiceSettings:
             port = getattr(self, name)
             if not 0 <= port < 65536:
                 raise ValueError(f"{name}: must lie in [0, 65535], got {port}")
-        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent"):
+        for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent",
+                     "max_inflight_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         unknown = [c for c in self.codecs if c not in codec_names()]
@@ -130,6 +148,18 @@ class ServiceSettings:
                 raise ValueError(f"{missing[0]}: required for mutual TLS (with "
                                  f"{', '.join(missing[1:]) or 'the other two files'}); set "
                                  f"plaintext explicitly to serve without TLS")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
+        if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
+            raise ValueError(f"on_handoff_failure: must be one of {HANDOFF_FAILURE_POLICIES}, "
+                             f"got {self.on_handoff_failure!r}")
+        if self.fault_inject not in ("", *FAULTS):
+            raise ValueError(f"fault_inject: must be one of {FAULTS} (or empty), got "
+                             f"{self.fault_inject!r}")
+        if self.handoff_timeout_s <= 0:
+            raise ValueError(f"handoff_timeout_s: must be > 0, got {self.handoff_timeout_s}")
+        if self.fault_hold_s < 0:
+            raise ValueError(f"fault_hold_s: must be >= 0, got {self.fault_hold_s}")
         if self.prefill_refresh_s <= 0:
             raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
         self.runtime  # validates model, device and dtype

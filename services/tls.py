@@ -49,7 +49,11 @@ def secure_channel(settings: ServiceSettings, address: str) -> grpc.aio.Channel:
 
 
 def describe(settings: ServiceSettings) -> str:
+    data = ("data plane authenticated per handoff and encrypted" if settings.encrypt_data_plane
+            else "data plane authenticated per handoff, not encrypted")
+    if settings.role == "prefill":
+        data = "data plane authenticated per handoff, encrypted when the decode side asks"
     if settings.plaintext:
         return ("PLAINTEXT: gRPC without TLS, and the data plane's handoff keys readable by "
-                "anyone on the path (plaintext was set explicitly)")
-    return f"mutual TLS (certificate {settings.tls_cert}, CA {settings.tls_ca})"
+                f"anyone on the path (plaintext was set explicitly); {data}")
+    return f"mutual TLS (certificate {settings.tls_cert}, CA {settings.tls_ca}); {data}"

@@ -117,6 +117,7 @@ def handoff_request(call: HandoffCall):
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
     request.handoff_key = call.handoff_key
+    request.encrypt_data_plane = call.encrypt
     return request
 
 
@@ -153,7 +154,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     return HandoffCall(
         request_id=request.request_id, transfer_id=request.transfer_id,
         token_ids=list(request.token_ids), forced_action=forced,
-        handoff_key=bytes(request.handoff_key),
+        handoff_key=bytes(request.handoff_key), encrypt=request.encrypt_data_plane,
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,

@@ -54,6 +54,8 @@ def _exported() -> dict[str, str]:
     names = {}
     for role in ("prefill", "decode"):
         for family in ServiceMetrics(role).registry.collect():
+            if not family.name.startswith("rekv_"):  # the process collector's standard ones
+                continue
             suffixes = {"histogram": ("_bucket", "_sum", "_count"), "counter": ("_total",),
                         "gauge": ("",)}[family.type]
             names.update({family.name + suffix: family.name for suffix in suffixes})

@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 
+from rekv_cli.client import generate_request
 from rekv_core.model import greedy_generate
 from services.decode.server import build as build_decode
 from services.metrics import ServiceMetrics
@@ -64,3 +65,37 @@ def test_both_services_in_one_process_over_the_inprocess_transport(smollm_bf16, 
     else:
         assert tokens[0] == reference[0]
     assert summary.bytes.prefix > 0
+
+
+async def _refusals() -> dict[str, grpc.aio.AioRpcError]:
+    """A decode service whose prefill pool is unreachable, set to fail fast, holding at most
+    about 40 MiB for requests."""
+    settings = ServiceSettings.from_args("decode", [
+        "--dtype", "bfloat16", "--plaintext", "true", "--prefill-address", "127.0.0.1:1",
+        "--max-inflight-bytes", str(40 << 20), "--on-handoff-failure", "fail",
+        "--max-prompt-tokens", "4096"])
+    server, port, drain, _ = await _start(settings, build_decode)
+    errors = {}
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = rekv_pb2_grpc.DecodeStub(channel)
+            for name, ids in (("long", [17] * 1800), ("short", [17] * 8)):
+                request = generate_request(name, ids, 4)
+                try:
+                    async for _ in stub.Generate(request, timeout=60):
+                        pass
+                except grpc.aio.AioRpcError as exc:
+                    errors[name] = exc
+    finally:
+        await server.stop(1)
+        await drain()
+    return errors
+
+
+def test_beyond_its_memory_bound_a_request_is_refused_and_a_failed_handoff_can_fail_fast():
+    errors = asyncio.run(_refusals())
+    # 1,800 tokens of cache (30 layers, 3 KV heads of 64, BF16) alone are about 40 MiB
+    assert errors["long"].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "max_inflight_bytes" in errors["long"].details()
+    assert errors["short"].code() == grpc.StatusCode.UNAVAILABLE
+    assert "on_handoff_failure" in errors["short"].details()

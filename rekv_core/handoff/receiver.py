@@ -12,15 +12,16 @@ opened request and always ends it: `close` after success, `abort` after any fail
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
-Every message is opened with the handoff's key and its bytes checked against their checksums
-before anything reads them (`seal`). Token-only runs the whole prefill on the receiver;
-transfer-only computes the first logits from the `head` message. Any transport or payload error, or a timeout, raises; a partial cache is never
-returned. The result carries the timing breakdown (`HandoffTimings`), the bytes received by kind,
-and `link_sample`: (bytes, seconds) of the link from the messages that landed before this worker
-began computing (`transport.arrivals`): before the suffix or the first decode that computes,
-whichever came first (restoring a BF16 layer is a copy and does not count), or None where the
-transport does not time its messages or they said nothing reliable. A computing worker delays its
-receiving thread, so later arrivals time the machine, not the wire.
+Every message is opened with the handoff's key and its bytes checked against their checksums before
+anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only
+computes the first logits from the `head` message. Any transport or payload error, or a timeout,
+raises; a partial cache is never returned. The result carries the timing breakdown
+(`HandoffTimings`), the bytes received by kind, and `link_sample`: (bytes, seconds) of the link from
+the messages that landed before this worker began computing (`transport.arrivals`): before the
+suffix or the first decode that computes, whichever came first (restoring a BF16 layer is a copy and
+does not count), or None where the transport does not time its messages or they said nothing
+reliable. A computing worker delays its receiving thread, so later arrivals time the machine, not
+the wire.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ import torch
 from rekv_core import streams
 from rekv_core.codecs import EncodedKV, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
-from rekv_core.handoff.seal import check_checksums, check_key, open_message
+from rekv_core.handoff.seal import check_checksums, check_key, decrypt, open_message
+from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
 from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers
@@ -70,14 +72,17 @@ class _Inbound:
     """Takes a request's messages in order, each opened with the handoff's key (`seal`), keeping
     their arrivals."""
 
-    def __init__(self, transport: TransportReceiver, request_id: str, timeout: float,
-                 key: bytes | None):
-        self.transport, self.request_id, self.timeout = transport, request_id, timeout
-        self.key = key
+    def __init__(self, transport: TransportReceiver, request_id: str, transfer: Transfer,
+                 key: bytes | None, encrypted: bool = False):
+        self.transport, self.request_id, self.transfer = transport, request_id, transfer
+        self.key, self.encrypted = key, encrypted
         self.arrivals: list[Arrival] = []
 
     def expect(self, name: str) -> Message:
-        message = open_message(self.key, self.transport.recv(self.request_id, self.timeout))
+        message = open_message(self.key, self.transport.recv(self.request_id,
+                                                             self.transfer.wait_s()))
+        if self.encrypted:
+            message = decrypt(self.key, message)
         if message.name != name:
             raise TransportError(f"request {self.request_id}: expected {name!r}, "
                                  f"got {message.name!r}")
@@ -109,22 +114,31 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
                     schedule: str = "overlap", timeout: float = 30.0,
                     extra_capacity: int = 0, prompt_len: int | None = None,
-                    key: bytes | None = None) -> HandoffResult:
+                    key: bytes | None = None, transfer: Transfer | None = None,
+                    encrypted: bool = False) -> HandoffResult:
     """`prompt_len`, when the caller knows it, lets the cache be allocated before the plan
     arrives (while the sender prefills), not while the first messages land; the plan must then
-    agree with it. `key`: the handoff's key (`seal.new_key`), which the sender must seal with."""
+    agree with it. `key`: the handoff's key (`seal.new_key`), which the sender must seal with.
+    `transfer`: the handoff's state and deadline, which every wait obeys (without one, each wait
+    is bounded by `timeout`); it ends DONE or FAILED. `encrypted`: the sender encrypted every
+    buffer under the key (`seal.encrypt`), and each is decrypted on the host."""
     start = time.perf_counter()
+    transfer = transfer or Transfer(request_id, stall_s=timeout)
     try:
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
         cache = None if prompt_len is None else _empty_cache(model, prompt_len + extra_capacity)
         check_key(key)
-        inbound = _Inbound(transport, request_id, timeout, key)
+        if encrypted and key is None:
+            raise ValueError("encrypted: needs the handoff's key")
+        inbound = _Inbound(transport, request_id, transfer, key, encrypted)
         result = _receive(model, inbound, schedule, extra_capacity, start, cache)
-    except BaseException:
+    except BaseException as exc:
         transport.abort(request_id)
+        transfer.fail(f"{type(exc).__name__}: {exc}")
         raise
     transport.close(request_id)
+    transfer.advance(TransferState.DONE)
     return result
 
 
@@ -138,6 +152,9 @@ def _receive(model: Model, inbound: _Inbound, schedule: str, extra_capacity: int
              cache: KVCache | None) -> HandoffResult:
     plan = Plan.from_bytes(inbound.expect(PLAN).header)
     plan.check_model(model.shape)
+    if plan.expect_ms > 0:
+        inbound.transfer.expect_within(allowed_s(plan.expect_ms / 1e3))
+    inbound.transfer.advance(TransferState.BOUNDARY)
     S = plan.seq_len
     if cache is None:
         cache = _empty_cache(model, S + extra_capacity)
@@ -153,6 +170,7 @@ def _recompute_prompt(model: Model, inbound: _Inbound, action: Action, S: int, c
                       start: float) -> HandoffResult:
     """Token-only: the prompt's ids arrive, this worker runs every layer."""
     message = inbound.expect(TOKENS)
+    inbound.transfer.advance(TransferState.JOINING)
     check_checksums(message)
     ids = message.buffers["ids"].view(torch.int32).tolist()
     if len(ids) != S:
@@ -237,6 +255,18 @@ def _run_suffix(model: Model, h_c: torch.Tensor, cut: int, cache: KVCache) -> _S
     return _Suffix(suffix.logits, began, time.perf_counter())
 
 
+def _join(worker: threading.Thread, inbound: _Inbound) -> None:
+    """Wait for the prefix branch; past the transfer's deadline, abort the request, which wakes
+    its receive at once, and wait for the branch to stop writing into the cache."""
+    try:
+        worker.join(max(0.0, inbound.transfer.wait_s()))
+    except (TimeoutError, TransferCancelled):
+        pass
+    if worker.is_alive():
+        inbound.transport.abort(inbound.request_id)
+        worker.join()
+
+
 def _restore_and_recompute(model: Model, inbound: _Inbound, schedule: str, action: Action,
                            S: int, cache: KVCache, start: float) -> HandoffResult:
     """A cut c ≥ 1: the boundary (unless c = L), then the prefix beside the suffix."""
@@ -247,6 +277,7 @@ def _restore_and_recompute(model: Model, inbound: _Inbound, schedule: str, actio
         h_c = _bf16_tensor(inbound.expect(BOUNDARY), (S, shape.hidden_size), model)
         received += WireBytes(boundary=S * shape.hidden_size * BF16_BYTES)
     boundary_at = time.perf_counter()
+    inbound.transfer.advance(TransferState.PREFIX)
     prefix = _PrefixBranch(model, inbound, action, S, cache, boundary_at)
     suffix = None
     if h_c is None:  # transfer-only: nothing to recompute
@@ -260,12 +291,13 @@ def _restore_and_recompute(model: Model, inbound: _Inbound, schedule: str, actio
             inbound.transport.abort(inbound.request_id)
             raise
         finally:
-            worker.join()
+            _join(worker, inbound)
     else:
         prefix.run()
         suffix = _run_suffix(model, h_c, action.cut, cache) if prefix.error is None else None
     if prefix.error is not None:
         raise prefix.error
+    inbound.transfer.advance(TransferState.JOINING)
 
     join_start = max(prefix.done, suffix.ended if suffix else 0.0)
     if suffix is None:

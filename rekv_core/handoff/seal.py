@@ -17,6 +17,23 @@ message whose header carries its checksums (the codec verifies an encoded layer'
 
 A handoff without a key (`key=None` on both sides: benchmarks, tests of the schedule) is
 unsealed; checksums still travel and are checked.
+
+Encryption, for links that others can read (optional; the MAC alone hides nothing): `encrypt`
+replaces every buffer of a message by its AES-256-GCM ciphertext with the 16-byte tag appended,
+under a key derived from the handoff key with HKDF-SHA256 ("rekv-encrypt-1"), so the cipher key
+is never the MAC key. Each buffer's nonce is (sequence number: 8 bytes, buffer index: 4 bytes):
+unique because each handoff has a key of its own and sends each sequence number once (a key
+reused across handoffs, or a sequence number resent with other bytes, would repeat a nonce and
+break GCM). The associated data binds the request id, sequence number, message name and buffer
+name, so a buffer moved to another message or place fails its tag. The order is fixed:
+
+    sender:   seal(key, encrypt(key, message))     the MAC covers the ciphertext sizes
+    receiver: decrypt(key, open_message(key, message)), then check_checksums
+
+Headers stay in clear (the plan, codec, shapes, sizes, and the checksums of the plaintext, which
+`check_checksums` or the codec verifies after decryption). Encryption works on host (CPU) buffers
+only; the caller brings device buffers to the host. cryptography >= 47 encrypts straight into
+the new tensor; older versions cost one more copy.
 """
 
 from __future__ import annotations
@@ -25,15 +42,24 @@ import hashlib
 import hmac
 import json
 import os
+from dataclasses import replace
 
+import numpy as np
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from rekv_core.codecs.checksum import checksums, default_algorithm, verify_checksums
 from rekv_core.transport import Message, TransportError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
+TAG_BYTES = 16
+MAX_BUFFER_BYTES = 2**31 - 1 - TAG_BYTES  # cryptography's AEADs take at most 2**31 - 1 bytes
 _DOMAIN = b"rekv-seal-1"
+_ENCRYPT_DOMAIN = b"rekv-encrypt-1"
 
 
 class SealError(TransportError):
@@ -49,10 +75,17 @@ def check_key(key: bytes | None) -> None:
         raise ValueError(f"handoff_key: must be {KEY_BYTES} bytes, got {len(key)}")
 
 
+def _framed(*parts: bytes) -> bytes:
+    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
+
+
+def _place(message: Message) -> tuple[bytes, bytes, bytes]:
+    return message.request_id.encode(), str(message.seq).encode(), message.name.encode()
+
+
 def _mac(key: bytes, message: Message, header: bytes) -> bytes:
     mac = hmac.new(key, _DOMAIN, hashlib.sha256)
-    for part in (message.request_id.encode(), str(message.seq).encode(), message.name.encode()):
-        mac.update(len(part).to_bytes(4, "little") + part)
+    mac.update(_framed(*_place(message)))
     mac.update(len(header).to_bytes(8, "little") + header)
     for name, buffer in message.buffers.items():
         mac.update(name.encode() + b"\0" + (buffer.numel() * buffer.element_size()).to_bytes(
@@ -102,3 +135,76 @@ def check_checksums(message: Message) -> None:
         raise SealError(f"{message.name}: checksums for {sorted(expected)}, buffers "
                         f"{sorted(message.buffers)}")
     verify_checksums(message.buffers, algorithm, expected, SealError, f"{message.name}: ")
+
+
+def encrypt(key: bytes, message: Message) -> Message:
+    """`message` with every buffer replaced by its ciphertext and tag (16 bytes longer); the
+    message passed in is left as it was."""
+    aead = _cipher(key)
+    buffers = {}
+    for index, (name, buffer) in enumerate(message.buffers.items()):
+        plain = _host_array(message, name, buffer)
+        if plain.nbytes > MAX_BUFFER_BYTES:
+            raise ValueError(f"{message.name}: buffer {name}: {plain.nbytes} bytes, more than "
+                             f"the {MAX_BUFFER_BYTES} one AES-GCM call takes")
+        sealed = torch.empty(plain.nbytes + TAG_BYTES, dtype=torch.uint8)
+        _run(getattr(aead, "encrypt_into", None), aead.encrypt, _nonce(message, index), plain,
+             _associated_data(message, name), sealed.numpy())
+        buffers[name] = sealed
+    return replace(message, buffers=buffers)
+
+
+def decrypt(key: bytes, message: Message) -> Message:
+    """The plaintext of an `encrypt`ed message; `SealError` naming the message and buffer whose
+    tag does not hold (altered bytes, another message's buffer, another place, another key)."""
+    aead = _cipher(key)
+    buffers = {}
+    for index, (name, buffer) in enumerate(message.buffers.items()):
+        sealed = _host_array(message, name, buffer)
+        if sealed.nbytes < TAG_BYTES:
+            raise SealError(f"{message.name}: buffer {name}: {sealed.nbytes} bytes, too short "
+                            f"for an encrypted buffer")
+        plain = torch.empty(sealed.nbytes - TAG_BYTES, dtype=torch.uint8)
+        try:
+            _run(getattr(aead, "decrypt_into", None), aead.decrypt, _nonce(message, index),
+                 sealed, _associated_data(message, name), plain.numpy())
+        except InvalidTag:
+            raise SealError(f"{message.name}: buffer {name}: does not decrypt (altered, another "
+                            f"message's, or another handoff's key)") from None
+        buffers[name] = plain
+    return replace(message, buffers=buffers)
+
+
+def _cipher(key: bytes) -> AESGCM:
+    if key is None:
+        raise ValueError("encryption needs the handoff key")
+    check_key(key)
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=_ENCRYPT_DOMAIN)
+    return AESGCM(hkdf.derive(key))
+
+
+def _nonce(message: Message, index: int) -> bytes:
+    return message.seq.to_bytes(8, "little") + index.to_bytes(4, "little")
+
+
+def _associated_data(message: Message, buffer_name: str) -> bytes:
+    return _ENCRYPT_DOMAIN + _framed(*_place(message), buffer_name.encode())
+
+
+def _host_array(message: Message, name: str, buffer: torch.Tensor) -> np.ndarray:
+    """The buffer's bytes as an array sharing its memory (a copy only if it is not contiguous)."""
+    if buffer.device.type != "cpu":
+        raise ValueError(f"{message.name}: buffer {name} is on {buffer.device}: encryption runs "
+                         f"on host memory; bring device buffers to the host first")
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError(f"{message.name}: buffer {name}: must be 1-D uint8, got "
+                         f"{buffer.dim()}-D {buffer.dtype}")
+    return buffer.contiguous().numpy()
+
+
+def _run(into, whole, nonce: bytes, data: np.ndarray, aad: bytes, out: np.ndarray) -> None:
+    """`into(nonce, data, aad, out)` (cryptography >= 47); without it, `whole`'s bytes copied."""
+    if into is not None:
+        into(nonce, data, aad, out)
+    else:
+        out[:] = np.frombuffer(whole(nonce, data, aad), dtype=np.uint8)

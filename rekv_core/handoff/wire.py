@@ -1,6 +1,7 @@
 """Message names and the plan header of one handoff on the transport.
 
-A handoff is, in sequence order: `plan` (JSON header: action, prompt length, model dimensions);
+A handoff is, in sequence order: `plan` (JSON header: action, prompt length, model dimensions,
+the sender's prediction of the handoff's length, from which the receiver sets its deadline);
 then `tokens` (token-only), or `boundary` (h_c, BF16) for an interior cut, or nothing extra for
 transfer-only; then `layer.0` … `layer.{c-1}` (an encoded layer each: codec header + buffers); and
 last, for transfer-only, `head` (the final hidden state of the last position, BF16).
@@ -9,6 +10,7 @@ last, for transfer-only, `head` (the final hidden state of the last position, BF
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -32,11 +34,22 @@ class Plan:
     hidden_size: int
     num_kv_heads: int
     head_dim: int
+    expect_ms: float = 0.0  # the sender's prediction of the handoff's length; 0: none
+
+    def __post_init__(self) -> None:
+        for name in ("cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"plan: {name} must be a non-negative integer, got {value!r}")
+        if not isinstance(self.codec, str):
+            raise ValueError(f"plan: codec must be a string, got {self.codec!r}")
+        if not (isinstance(self.expect_ms, (int, float)) and 0 <= self.expect_ms < math.inf):
+            raise ValueError(f"plan: expect_ms must be finite and >= 0, got {self.expect_ms!r}")
 
     @classmethod
-    def of(cls, action: Action, shape: ModelShape, seq_len: int) -> Plan:
+    def of(cls, action: Action, shape: ModelShape, seq_len: int, expect_ms: float = 0.0) -> Plan:
         return cls(action.codec, action.cut, action.num_layers, seq_len, shape.hidden_size,
-                   shape.num_kv_heads, shape.head_dim)
+                   shape.num_kv_heads, shape.head_dim, expect_ms)
 
     @property
     def action(self) -> Action:

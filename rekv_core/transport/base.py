@@ -31,7 +31,8 @@ Which side calls what:
   can no longer leave). `send` never blocks on the receiver. `shutdown()` frees the connection.
 - sender pool (prefill side), one per process, made by `factory.create_sender_pool`: `to(address)`
   returns the sender to the receiver at `address`, made on first use and reused by every later
-  request (thread-safe); `shutdown()`, once the service stops, shuts every sender down, logging
+  request until it is `broken` (its peer died or restarted), when a new one connects
+  (thread-safe); `shutdown()`, once the service stops, shuts every sender down, logging
   those whose peer is already gone rather than stopping at them.
 
 A receive's life cycle is the ordered `ReceiveState`: OPEN < DRAINING < CLOSED.
@@ -100,6 +101,12 @@ class TransportSender(ABC):
     @abstractmethod
     def pending(self) -> dict[str, int]: ...
 
+    @property
+    def broken(self) -> bool:
+        """True once the connection is known to be gone (its peer died or restarted): nothing
+        sent on it can arrive any more. Senders without a connection never break."""
+        return False
+
     def shutdown(self) -> None:
         """Free the connection; senders that hold none have nothing to do."""
 
@@ -145,6 +152,8 @@ class SenderPool(ABC):
         """A new sender to `address` (called by `to`, under the pool's lock, once per address)."""
 
     def to(self, address: str) -> TransportSender:
+        """The sender to `address`; a broken one is replaced by a fresh connection."""
+        self.drop_if_broken(address)
         with self._lock:
             if self._shut:
                 raise TransportError("sender pool: shut down")
@@ -154,6 +163,20 @@ class SenderPool(ABC):
 
                 sender = self._senders[address] = paced(self._connect(address), self.pace_gbps)
             return sender
+
+    def drop_if_broken(self, address: str) -> None:
+        """Forget the sender to `address` once it is broken and shut it down (its peer is gone;
+        a restarted peer at the same address gets a new connection on the next `to`)."""
+        with self._lock:
+            sender = self._senders.get(address)
+            if sender is None or not sender.broken:
+                return
+            del self._senders[address]
+        logger.warning("sender to %s: connection lost; the next handoff reconnects", address)
+        try:
+            sender.shutdown()
+        except Exception as exc:
+            logger.warning("sender to %s: shutdown after loss failed: %s", address, exc)
 
     def pending(self) -> dict[str, int]:
         with self._lock:

@@ -135,6 +135,10 @@ class PacedSender(TransportSender):
             raise TimeoutError(f"request {request_id}: messages still on the wire after "
                                f"{timeout} s") from None
 
+    @property
+    def broken(self) -> bool:
+        return self.inner.broken
+
     def pending(self) -> dict[str, int]:
         with self._cond:
             held = sum(self._held.values())

@@ -1,22 +1,19 @@
 """The decode service: `Decode.Generate`, the router's entry point.
 
 A call's life cycle:
-1. admit: read the call and check it against this worker's limits, tokenize (INVALID_ARGUMENT
-   naming the field);
-2. queue: wait for a slot (at most `max_concurrent` calls at once);
-3. open a fresh transfer on the data-plane receiver and start receiving: the cache is allocated
-   now, while the prefill side computes, not while the first layers land;
-4. negotiate: call the `Handoff` of the least loaded prefill replica (`prefill_pool`) with this
-   worker's offer (its costs at this prompt length under its current load, its evidence, its
-   address and codecs); the prefill side chooses the action, sends, and reports its queue;
-5. wait for the complete cache. If the handoff fails (prefill unreachable, a lost, corrupt or late
-   payload) recompute the prompt here from its token ids instead: never decode from a broken
-   cache, and say so in the summary;
-6. learn from the handoff (the calibration the next offers are made from) and record it;
+1. read the call and check it against this worker's limits, tokenize (INVALID_ARGUMENT naming the
+   field);
+2. admit it (`admission`: beyond `max_concurrent + max_queue` calls, or `max_inflight_bytes` of
+   caches and buffers, RESOURCE_EXHAUSTED at once) and wait for a slot (at most `max_concurrent`
+   calls at once);
+3-6. obtain the prompt's cache and first logits (`handoff`): negotiate with the least loaded
+   prefill replica, receive the handoff, and learn from it; whenever the handoff fails, recompute
+   the prompt here from its token ids (or fail fast, as set): never decode from a broken cache,
+   and say so in the summary;
 7. decode `max_new_tokens` (greedy or seeded sampling), streaming each token;
 8. end the stream with the summary.
-A passed deadline ends the call with DEADLINE_EXCEEDED; the transfer is then aborted, which drains
-whatever the prefill side still sends.
+A passed deadline ends the call with DEADLINE_EXCEEDED, a cancel with CANCELLED; the transfer is
+then aborted, which drains whatever the prefill side still sends.
 """
 
 from __future__ import annotations
@@ -24,19 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 
 import grpc
-import torch
 
-from rekv_core.handoff import Action, WireBytes
-from rekv_core.handoff.seal import new_key
-from rekv_core.model import KVCache
 from rekv_core.model.sampling import Sampler
-from rekv_core.plan.calibration import HandoffObservation
 from services import tls, wire_convert
-from services.calls import Completion, GenerateCall, HandoffCall, HandoffReport
+from services.calls import Completion, GenerateCall
+from services.decode.handoff import Handed, Handoffs
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
 from services.errors import InvalidArgument, status_for
@@ -48,24 +39,13 @@ from services.settings import ServiceSettings
 log = logging.getLogger("rekv.decode")
 
 
-@dataclass(frozen=True)
-class _Handed:
-    """A complete cache, the first token's logits and how they were obtained."""
-
-    cache: KVCache
-    logits: torch.Tensor
-    report: HandoffReport
-    link_sample_gbps: float | None = None
-
-
 class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
     def __init__(self, worker: DecodeWorker, prefill_pool: PrefillPool):
         self.worker = worker
         self.metrics = worker.metrics
-        self.prefill = prefill_pool
+        self.handoffs = Handoffs(worker, prefill_pool)
         self.slots = asyncio.Semaphore(worker.settings.max_concurrent)
         self.queue = 0
-        self.in_flight = 0
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
@@ -79,10 +59,12 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         self.queue += 1  # 2
         metrics.queue.set(self.queue)
         try:
-            async with self.slots:
-                handed = await self._handoff(call, ids, context)  # 3-6
-                async for response in self._generate(call, ids, handed, arrived):  # 7, 8
-                    yield response
+            with worker.admission.admit(worker.handoff_memory(len(ids), call.max_new_tokens)):
+                async with self.slots:
+                    handed = await self.handoffs.run(call, ids, context.time_remaining(),
+                                                     self.queue)  # 3-6
+                    async for response in self._generate(call, ids, handed, arrived):  # 7, 8
+                        yield response
         except BaseException as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
@@ -98,88 +80,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             self.queue -= 1
             metrics.queue.set(self.queue)
 
-    async def _handoff(self, call: GenerateCall, ids: list[int], context) -> _Handed:
-        worker = self.worker
-        transfer_id = f"{call.request_id}/{uuid.uuid4().hex}"
-        capacity = len(ids) + call.max_new_tokens
-        self.in_flight += 1
-        load = self.in_flight
-        self.metrics.in_flight.set(self.in_flight)
-        worker.receiver.open(transfer_id)  # 3
-        began = time.perf_counter()
-        key = new_key()  # this handoff's: only the chosen prefill worker learns it
-        receiving = asyncio.ensure_future(asyncio.to_thread(
-            worker.receive, transfer_id, len(ids), call.max_new_tokens, key))
-        try:
-            offer = worker.offer(len(ids), load, self.queue)  # 4
-            request = wire_convert.handoff_request(
-                HandoffCall(call.request_id, transfer_id, ids, offer, call.forced_action, key))
-            try:
-                peer = self.prefill.pick()
-            except ConnectionError as exc:  # no replica known yet: never lose the request
-                worker.receiver.abort(transfer_id)
-                return await self._fallback(ids, capacity, receiving, began, f"prefill: {exc}")
-            try:
-                response = await peer.stub.Handoff(request, timeout=context.time_remaining())
-            except grpc.aio.AioRpcError as exc:
-                self.prefill.report(peer, unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidArgument(exc.details()) from None
-                worker.receiver.abort(transfer_id)  # wakes the receiving thread
-                return await self._fallback(ids, capacity, receiving, began,
-                                            f"prefill: {exc.code().name}: {exc.details()}")
-            except BaseException:  # cancelled, or past the deadline
-                self.prefill.report(peer)
-                raise
-            try:
-                reply = wire_convert.handoff_reply(response, worker.shape.num_layers)
-            except InvalidArgument as exc:  # the peer's answer, not the caller's request
-                self.prefill.report(peer)
-                worker.receiver.abort(transfer_id)
-                return await self._fallback(ids, capacity, receiving, began,
-                                            f"prefill: unreadable reply: {exc}")
-            self.prefill.report(peer, reply.queue_depth)
-            try:
-                result = await receiving  # 5
-            except Exception as exc:  # a broken data plane: never decode from it
-                return await self._fallback(ids, capacity, receiving, began, f"transfer: {exc}")
-        finally:
-            if not receiving.done():
-                worker.receiver.abort(transfer_id)
-                await asyncio.gather(receiving, return_exceptions=True)
-            self.in_flight -= 1
-            self.metrics.in_flight.set(self.in_flight)
-
-        observed = HandoffObservation(  # 6
-            action=result.action, prompt_len=len(ids), load=load, timings=result.timings,
-            wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
-            modelled_ms=reply.model_ms)
-        sample_gbps = worker.calibration.observe(observed)
-        self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(len(ids)))
-        t = result.timings
-        report = HandoffReport(
-            action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,
-            measured_ms=observed.handoff_s * 1e3, prefill_ms=reply.prefill_ms, q_ms=reply.q_ms,
-            h_ms=observed.boundary_s * 1e3, x_ms=t.x_s * 1e3, r_ms=t.r_s * 1e3,
-            j_ms=t.j_s * 1e3)
-        return _Handed(result.cache, result.logits, report, sample_gbps)
-
-    async def _fallback(self, ids: list[int], capacity: int, receiving: asyncio.Future,
-                        began: float, reason: str) -> _Handed:
-        await asyncio.gather(receiving, return_exceptions=True)
-        log.warning("handoff failed, recomputing the prompt locally: %s", reason)
-        self.metrics.fallbacks.labels(reason.split(":", 1)[0]).inc()
-        started = time.perf_counter()
-        cache, logits = await asyncio.to_thread(self.worker.recompute, ids, capacity)
-        recompute_s = time.perf_counter() - started
-        self.metrics.suffix.observe(recompute_s)
-        report = HandoffReport(action=Action.token_only(self.worker.shape.num_layers),
-                               bytes=WireBytes(), fallback_reason=reason,
-                               measured_ms=(time.perf_counter() - began) * 1e3,
-                               r_ms=recompute_s * 1e3)
-        return _Handed(cache, logits, report)
-
-    async def _generate(self, call: GenerateCall, ids: list[int], handed: _Handed,
+    async def _generate(self, call: GenerateCall, ids: list[int], handed: Handed,
                         arrived: float):
         worker, tokenizer = self.worker, self.worker.tokenizer
         sampler = Sampler(call.sampling)

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from rekv_core.handoff import HandoffResult, receive_handoff
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import KVCache, decode_steps, prefill
 from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
@@ -26,6 +27,7 @@ from services.serving import Worker
 from services.settings import ServiceSettings
 
 MAX_REQUEST_ID = 128  # characters
+PREFETCH = 4  # messages the data-plane receiver reads ahead of the cache
 
 
 class DecodeWorker(Worker):
@@ -79,10 +81,23 @@ class DecodeWorker(Worker):
                            queue_depth=queue, handoffs_in_flight=load,
                            costs=self.calibration.offer(prompt_len, load))
 
-    def receive(self, transfer_id: str, prompt_len: int, max_new_tokens: int, key: bytes
+    def receive(self, transfer: Transfer, prompt_len: int, max_new_tokens: int, key: bytes
                 ) -> HandoffResult:
-        return receive_handoff(self.model, self.receiver, transfer_id, "overlap",
-                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key)
+        return receive_handoff(self.model, self.receiver, transfer.transfer_id, "overlap",
+                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key,
+                               transfer, self.settings.encrypt_data_plane)
+
+    def recompute_s(self, prompt_len: int, load: int) -> float:
+        """What recomputing a prompt here would take, by this worker's calibration."""
+        per_layer_ms = self.calibration.suffix_ms_per_layer(prompt_len, load)
+        return per_layer_ms * self.shape.num_layers / 1e3
+
+    def handoff_memory(self, prompt_len: int, max_new_tokens: int) -> int:
+        """What one request holds here: its cache, the boundary, the messages read ahead."""
+        shape, elem = self.shape, self.elem_bytes()
+        cache = shape.num_layers * shape.kv_layer_bytes(prompt_len + max_new_tokens, elem)
+        read_ahead = PREFETCH * shape.kv_layer_bytes(prompt_len)
+        return cache + shape.boundary_bytes(prompt_len) + read_ahead
 
     def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
         out = prefill(self.model, ids, boundaries=())

@@ -5,9 +5,14 @@ A call's life cycle:
    field);
 2. decide the action: the planner's choice from the decode side's offer and this worker's own
    costs, or the forced action, which the planner evaluates the same way;
-3. prefill the prompt, keeping h_c (one prefill at a time);
+3. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
+   prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes), then
+   prefill the prompt, keeping h_c (one prefill at a time, the wait for it bounded by the call's
+   deadline);
 4. send the plan, the boundary and the prefix layers to the offer's data-plane address under the
-   call's transfer id, and wait until every byte has left (within the call's deadline);
+   call's transfer id, and wait until every byte has left, all within the call's deadline
+   (`Transfer`); a cancelled call (its decode peer gave up or vanished) stops the sending before
+   its next message and frees its buffers;
 5. record it and answer with the action, its prediction, every candidate and the timings.
 A failure at any step ends the call with the status `errors.status_for` gives it; the sender never
 leaves messages queued for a transfer it gave up.
@@ -21,6 +26,7 @@ import time
 
 import grpc
 
+from rekv_core.handoff.transfer import Transfer
 from services import wire_convert
 from services.calls import HandoffReply
 from services.errors import status_for
@@ -44,14 +50,22 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         started = time.perf_counter()
         metrics.in_flight.inc()
         self.active += 1
+        transfer = None
         try:
             call = wire_convert.handoff_call(request, worker.shape.name,  # 1
                                              worker.shape.num_layers)
             worker.check(call)
-            decision = worker.decide(call)  # 2
-            sent = await asyncio.to_thread(worker.handoff, call, decision.action,  # 3, 4
-                                           context.time_remaining())
+            with worker.admission.admit(worker.handoff_memory(len(call.token_ids))):
+                remaining = context.time_remaining()
+                transfer = Transfer(call.transfer_id, None if remaining is None else
+                                    time.monotonic() + remaining,
+                                    worker.settings.handoff_timeout_s, worker.transfers)
+                decision = worker.decide(call)  # 2
+                sent = await _until_done(asyncio.to_thread(worker.handoff, call, decision,
+                                                           transfer), transfer)  # 3, 4
         except BaseException as exc:
+            if transfer is not None:
+                transfer.fail(f"{type(exc).__name__}: {exc}")
             code, reason = status_for(exc)
             if isinstance(exc, asyncio.CancelledError):
                 reason = "cancelled"
@@ -83,6 +97,19 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             q_ms=report.quantize_seconds * 1e3, send_ms=sent.send_s * 1e3, bytes=report.bytes,
             link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
             queue_depth=self.active))
+
+
+async def _until_done(work, transfer: Transfer):
+    """Await the worker thread's `work`; when this call is cancelled (its decode peer gave up or
+    vanished), cancel the transfer, which stops the thread before its next message, and wait for
+    the thread to let go of its buffers before the cancel goes on."""
+    task = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        transfer.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
 
 
 async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):

@@ -1,9 +1,11 @@
 """The prefill worker: model, planner, calibration and data-plane senders behind `Prefill.Handoff`.
 
 `check(call)` applies this worker's limits to a call; `decide(call)` asks the planner (forced
-actions too, which the planner evaluates); `handoff(call, action, deadline_s)` prefills the prompt,
+actions too, which the planner evaluates); `handoff(call, decision, transfer)` prefills the prompt,
 one at a time (one model, one device), and sends the handoff to the offer's address, returning when
-every byte has left. Sends to one decode address share one sender (one UCX endpoint). Thread-safe.
+every byte has left, within the transfer's deadline. Sends to one decode address share one sender
+(one UCX endpoint), replaced once its peer is found gone. `handoff_memory(prompt_len)` is what one
+handoff holds, for admission control. Thread-safe.
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rekv_core.handoff import Action, SenderReport, send_handoff
+from rekv_core.handoff import SenderReport, send_handoff
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.plan.calibration import PrefillCalibration
 from rekv_core.plan.planner import Decision, Planner, common_codecs
 from rekv_core.plan.policy import Policy, shipped_policy
-from rekv_core.transport import create_sender_pool
+from rekv_core.transport import TransportError, create_sender_pool
 from services.calls import HandoffCall
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
+from services.prefill.faults import Faults
 from services.serving import Worker
 from services.settings import ServiceSettings
 
@@ -44,6 +48,7 @@ class PrefillWorker(Worker):
         self.planner = Planner(policy)
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self._compute = threading.Lock()
+        self.faults = Faults(settings.fault_inject, settings.fault_hold_s)
         metrics.link.set(self.calibration.link_gbps(0.0))
         metrics.transport_pending.set_function(
             lambda: self.senders.pending()["in_flight_messages"])
@@ -66,18 +71,42 @@ class PrefillWorker(Worker):
         self.metrics.link.set(inputs.link_gbps)
         return decision
 
-    def handoff(self, call: HandoffCall, action: Action, deadline_s: float | None) -> SentHandoff:
+    def handoff_memory(self, prompt_len: int) -> int:
+        """What one handoff holds here: every layer's K and V and the hidden states the prefill
+        keeps, and the encoded layers until they have left (at most BF16-sized)."""
+        shape, elem = self.shape, self.elem_bytes()
+        prefill = shape.num_layers * shape.kv_layer_bytes(prompt_len, elem)
+        hidden = 2 * shape.boundary_bytes(prompt_len, elem)
+        return prefill + hidden + shape.num_layers * shape.kv_layer_bytes(prompt_len)
+
+    def handoff(self, call: HandoffCall, decision: Decision, transfer: Transfer) -> SentHandoff:
+        """Prefill and send under `transfer`, whose deadline bounds the wait for the compute and
+        for the last byte; a sender whose peer turned out gone is dropped, so the next handoff
+        to that address connects anew."""
+        action = decision.action
         sender = self.senders.to(call.offer.address)
-        with self._compute:
+        self.faults.at_negotiation(call.request_id, transfer)
+        if not self._compute.acquire(timeout=transfer.wait_s()):
+            raise TimeoutError(f"transfer {call.transfer_id}: no turn to compute before its "
+                               f"deadline")
+        try:
+            transfer.check()
             started = time.perf_counter()
             state = prefill(self.model, call.token_ids,
                             boundaries={action.cut, self.shape.num_layers})
             prefill_s = time.perf_counter() - started
+        finally:
+            self._compute.release()
         send_start = time.perf_counter()
-        flush_timeout = self.settings.handoff_timeout_s if deadline_s is None else max(
-            0.1, deadline_s - (send_start - started))
-        report = send_handoff(sender, call.transfer_id, action, self.shape, call.token_ids, state,
-                              flush_timeout=flush_timeout, key=call.handoff_key)
+        try:
+            report = send_handoff(
+                sender, call.transfer_id, action, self.shape, call.token_ids, state,
+                key=call.handoff_key, encrypted=call.encrypt, transfer=transfer,
+                expect_ms=decision.predicted_ms,
+                hooks=self.faults.for_handoff(call.request_id, transfer, action.cut, sender))
+        except TransportError:
+            self.senders.drop_if_broken(call.offer.address)
+            raise
         send_s = time.perf_counter() - send_start
         self.calibration.observe_send(report.bytes.total, send_s)
         return SentHandoff(prefill_s, send_s, report)

@@ -52,6 +52,14 @@ range; context (dict "root" $ "role" role "config" roleConfig).
   value: {{ int $c.maxNewTokens | quote }}
 - name: REKV_MAX_CONCURRENT
   value: {{ int $c.maxConcurrent | quote }}
+- name: REKV_MAX_QUEUE
+  value: {{ int $c.maxQueue | quote }}
+- name: REKV_MAX_INFLIGHT_BYTES
+  value: {{ int64 $c.maxInflightBytes | quote }}
+- name: REKV_ON_HANDOFF_FAILURE
+  value: {{ toString $c.onHandoffFailure | quote }}
+- name: REKV_ENCRYPT_DATA_PLANE
+  value: {{ ternary "true" "false" $c.encryptDataPlane | quote }}
 - name: REKV_LINK_GBPS
   value: {{ toString $c.linkGbps | quote }}
 - name: REKV_PACE_GBPS

@@ -125,7 +125,11 @@ class UcxReceiver(TransportReceiver):
         import ucxx
 
         async def on_connect(endpoint) -> None:
-            self._endpoints.append(endpoint)  # kept alive; the peer reuses it for every request
+            # kept alive, the peer reuses it for every request; those of gone peers are released
+            gone = [e for e in self._endpoints if e.closed]
+            self._endpoints = [e for e in self._endpoints if not e.closed] + [endpoint]
+            for old in gone:
+                old.abort()
 
         return ucxx.create_listener(on_connect, port=port)
 
@@ -261,6 +265,10 @@ class UcxReceiver(TransportReceiver):
                     self._forget_draining(request_id, inbox)
 
         self._engine.loop.call_soon_threadsafe(end)
+
+    def connections(self) -> int:
+        """Endpoints of live senders (those of gone peers are released at the next connect)."""
+        return sum(not e.closed for e in self._endpoints)
 
     def pending(self) -> dict[str, int]:
         with self._lock:

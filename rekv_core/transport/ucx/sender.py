@@ -37,6 +37,7 @@ class UcxSender(TransportSender):
         self._in_flight: dict[str, list] = {}
         self._orphans: list[list] = []  # parts of given-up sends, kept until shutdown
         self._lock = threading.Lock()
+        self._failed = False  # a send failed: the endpoint cannot be trusted any more
 
     @staticmethod
     async def _connect(host: str, port: int, timeout: float):
@@ -76,7 +77,12 @@ class UcxSender(TransportSender):
                                f"{timeout} s") from None
         except Exception as exc:
             self._give_up(futures)
+            self._failed = True
             raise TransportError(f"request {request_id}: send failed: {exc}") from exc
+
+    @property
+    def broken(self) -> bool:
+        return self._failed or self._endpoint.closed
 
     def _give_up(self, futures: list) -> None:
         """Cancelling a future does not end the UCX requests already posted, which may still read
@@ -96,6 +102,8 @@ class UcxSender(TransportSender):
         async def close():
             if not self._endpoint.closed:
                 await self._endpoint.close()
+            else:  # the peer is gone: release the endpoint without a closing handshake
+                self._endpoint.abort()
 
         self._engine.call(close(), 10)
         with self._lock:

@@ -123,20 +123,22 @@ class WireBytes(_message.Message):
     def __init__(self, boundary: _Optional[int] = ..., prefix: _Optional[int] = ..., scales: _Optional[int] = ..., tokens: _Optional[int] = ..., head: _Optional[int] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key")
+    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key", "encrypt_data_plane")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     OFFER_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPT_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     offer: DecodeOffer
     forced_action: Action
     handoff_key: bytes
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ...) -> None: ...
+    encrypt_data_plane: bool
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
     __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured")

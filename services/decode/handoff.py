@@ -1,0 +1,213 @@
+"""One request's handoff on the decode worker: negotiate, receive, or recompute locally.
+
+`Handoffs.run(call, ids, time_remaining)` returns a complete cache and the first token's logits,
+however the handoff goes:
+1. a `Transfer` is made whose deadline is the call's, less the time a local recompute of the
+   prompt would take (so a failed handoff still leaves time to recover; at least half the call's
+   time is the handoff's), and the transfer is
+   opened on the data-plane receiver, which starts receiving at once (the cache is allocated while
+   the prefill side computes);
+2. the `Handoff` call goes to the least loaded prefill replica with this worker's offer and the
+   handoff's key; the plan that arrives first on the data plane tightens the deadline to what the
+   prefill side predicts (`transfer.allowed_s`), and every wait obeys it;
+3. the cache is complete once every message has arrived and passed its checks; the reply, which
+   the prefill side sends once its last byte has left, teaches the calibration. A verified cache
+   whose reply is late (or lost) is kept: the reply only carries timings.
+Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
+or unauthenticated, a deadline passed) the receive is aborted, which drains whatever the prefill
+side still sends, and the prompt is recomputed here from its token ids, counted in
+`rekv_fallbacks_total` by reason; or, with `on_handoff_failure = fail`, the call ends with
+UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the prefill side) and the
+caller's cancel or deadline end the call instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from rekv_core.codecs import CorruptPayloadError
+from rekv_core.handoff import Action, WireBytes
+from rekv_core.handoff.seal import SealError, new_key
+from rekv_core.handoff.transfer import Transfer, TransferCancelled, allowed_s
+from rekv_core.model import KVCache
+from rekv_core.plan.calibration import HandoffObservation
+from services import wire_convert
+from services.calls import GenerateCall, HandoffCall, HandoffReply, HandoffReport
+from services.decode.prefill_pool import PrefillPool
+from services.decode.worker import DecodeWorker
+from services.errors import HandoffFailed, InvalidArgument
+
+log = logging.getLogger("rekv.decode")
+
+REPLY_GRACE_S = allowed_s(0.0)  # how long a complete cache waits for its late reply
+RECOMPUTE_RESERVE = 1.5  # the deadline keeps this many local recomputes of the prompt
+
+
+@dataclass(frozen=True)
+class Handed:
+    """A complete cache, the first token's logits and how they were obtained."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    report: HandoffReport
+    link_sample_gbps: float | None = None
+
+
+class _Failed(Exception):
+    """The handoff failed for `label` (the fallback metric's reason); `detail` says how."""
+
+    def __init__(self, label: str, detail: str):
+        super().__init__(f"{label}: {detail}")
+        self.label = label
+
+
+def _receive_failure(exc: BaseException) -> _Failed:
+    if isinstance(exc, (SealError, CorruptPayloadError)):
+        return _Failed("integrity", str(exc))
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return _Failed("timeout", str(exc) or "deadline passed")
+    if isinstance(exc, TransferCancelled):
+        return _Failed("cancelled", str(exc))
+    return _Failed("transfer", f"{type(exc).__name__}: {exc}")
+
+
+def _call_failure(exc: grpc.aio.AioRpcError) -> _Failed:
+    code = exc.code()
+    label = {grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
+             grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+             grpc.StatusCode.RESOURCE_EXHAUSTED: "prefill_busy"}.get(code, "prefill_error")
+    return _Failed(label, f"prefill: {code.name}: {exc.details()}")
+
+
+class Handoffs:
+    def __init__(self, worker: DecodeWorker, prefill: PrefillPool):
+        self.worker, self.prefill = worker, prefill
+        self.metrics = worker.metrics
+        self.in_flight = 0
+
+    async def run(self, call: GenerateCall, ids: list[int], time_remaining: float | None,
+                  queue: int) -> Handed:
+        worker = self.worker
+        self.in_flight += 1
+        load = self.in_flight
+        self.metrics.in_flight.set(self.in_flight)
+        began = time.perf_counter()
+        deadline = None
+        if time_remaining is not None:
+            reserve = RECOMPUTE_RESERVE * worker.recompute_s(len(ids), load)
+            deadline = time.monotonic() + max(time_remaining - reserve, time_remaining / 2)
+        transfer = Transfer(f"{call.request_id}/{uuid.uuid4().hex}", deadline,
+                            worker.settings.handoff_timeout_s, worker.transfers)
+        key = new_key()  # this handoff's: only the chosen prefill worker learns it
+        worker.receiver.open(transfer.transfer_id)  # 1
+        receiving = asyncio.ensure_future(asyncio.to_thread(
+            worker.receive, transfer, len(ids), call.max_new_tokens, key))
+        try:
+            result, reply = await self._negotiate(call, ids, transfer, key, load, queue,
+                                                  receiving)  # 2, 3
+        except _Failed as failed:
+            transfer.fail(str(failed))
+            worker.receiver.abort(transfer.transfer_id)  # wakes the receiving thread
+            await asyncio.gather(receiving, return_exceptions=True)
+            return await self._fallback(ids, len(ids) + call.max_new_tokens, began, failed)
+        finally:
+            if not receiving.done():  # cancelled, or the caller's own error
+                transfer.cancel()
+                worker.receiver.abort(transfer.transfer_id)
+                await asyncio.gather(receiving, return_exceptions=True)
+            self.in_flight -= 1
+            self.metrics.in_flight.set(self.in_flight)
+        return self._learn(result, reply, len(ids), load)
+
+    async def _negotiate(self, call: GenerateCall, ids: list[int], transfer: Transfer,
+                         key: bytes, load: int, queue: int, receiving: asyncio.Future):
+        worker = self.worker
+        offer = worker.offer(len(ids), load, queue)
+        request = wire_convert.handoff_request(HandoffCall(
+            call.request_id, transfer.transfer_id, ids, offer, call.forced_action, key,
+            worker.settings.encrypt_data_plane))
+        try:
+            peer = self.prefill.pick()
+        except ConnectionError as exc:  # no replica known yet: never lose the request
+            raise _Failed("prefill_unavailable", f"prefill: {exc}") from None
+        timeout = transfer.remaining_s()
+        rpc = asyncio.ensure_future(peer.stub.Handoff(
+            request, timeout=None if timeout is None else max(0.0, timeout)))
+        try:
+            await asyncio.wait({rpc, receiving}, return_when=asyncio.FIRST_COMPLETED)
+            if not rpc.done():  # the data plane ended first
+                if receiving.exception() is not None:
+                    raise _receive_failure(receiving.exception())
+                await asyncio.wait({rpc}, timeout=REPLY_GRACE_S)
+            reply = self._reply(peer, rpc) if rpc.done() else None
+            try:
+                result = await receiving
+            except Exception as exc:  # a broken data plane: never decode from it
+                raise _receive_failure(exc) from None
+        finally:
+            if not rpc.done():
+                rpc.cancel()  # the prefill side sees its call cancelled and stops sending
+                self.prefill.report(peer)
+        return result, reply
+
+    def _reply(self, peer, rpc: asyncio.Future) -> HandoffReply:
+        exc = rpc.exception()
+        if isinstance(exc, grpc.aio.AioRpcError):
+            self.prefill.report(peer, unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise InvalidArgument(exc.details()) from None
+            raise _call_failure(exc)
+        if exc is not None:
+            self.prefill.report(peer)
+            raise exc
+        try:
+            reply = wire_convert.handoff_reply(rpc.result(), self.worker.shape.num_layers)
+        except InvalidArgument as bad:  # the peer's answer, not the caller's request
+            self.prefill.report(peer)
+            raise _Failed("prefill_error", f"prefill: unreadable reply: {bad}") from None
+        self.prefill.report(peer, reply.queue_depth)
+        return reply
+
+    def _learn(self, result, reply: HandoffReply | None, prompt_len: int, load: int) -> Handed:
+        worker = self.worker
+        if reply is None:  # a verified cache whose reply never came: nothing to learn from
+            log.warning("transfer complete but the prefill reply is late; not calibrating")
+            report = HandoffReport(action=result.action, bytes=result.bytes,
+                                   measured_ms=result.timings.total_s * 1e3)
+            return Handed(result.cache, result.logits, report)
+        observed = HandoffObservation(
+            action=result.action, prompt_len=prompt_len, load=load, timings=result.timings,
+            wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
+            modelled_ms=reply.model_ms)
+        sample_gbps = worker.calibration.observe(observed)
+        self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(prompt_len))
+        t = result.timings
+        report = HandoffReport(
+            action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,
+            measured_ms=observed.handoff_s * 1e3, prefill_ms=reply.prefill_ms, q_ms=reply.q_ms,
+            h_ms=observed.boundary_s * 1e3, x_ms=t.x_s * 1e3, r_ms=t.r_s * 1e3,
+            j_ms=t.j_s * 1e3)
+        return Handed(result.cache, result.logits, report, sample_gbps)
+
+    async def _fallback(self, ids: list[int], capacity: int, began: float,
+                        failed: _Failed) -> Handed:
+        self.metrics.fallbacks.labels(failed.label).inc()
+        if self.worker.settings.on_handoff_failure == "fail":
+            raise HandoffFailed(f"handoff failed ({failed}); on_handoff_failure is fail")
+        log.warning("handoff failed, recomputing the prompt locally: %s", failed)
+        started = time.perf_counter()
+        cache, logits = await asyncio.to_thread(self.worker.recompute, ids, capacity)
+        recompute_s = time.perf_counter() - started
+        self.metrics.suffix.observe(recompute_s)
+        report = HandoffReport(action=Action.token_only(self.worker.shape.num_layers),
+                               bytes=WireBytes(), fallback_reason=str(failed),
+                               measured_ms=(time.perf_counter() - began) * 1e3,
+                               r_ms=recompute_s * 1e3)
+        return Handed(cache, logits, report)

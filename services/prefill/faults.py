@@ -1,0 +1,97 @@
+"""Fault injection for the reliability tests: a fault put into every handoff this worker sends.
+
+Off unless `fault_inject` is set (never in production; the service logs a warning at start).
+`Faults.for_handoff(request_id, transfer, cut, sender)` gives one handoff's `SendHooks`:
+
+- `hold_negotiation`, `hold_boundary`, `hold_prefix`: hold the handoff for `fault_hold_s` seconds
+  when the call is in and its action chosen (nothing sent: `at_negotiation`), once the boundary
+  (or the token ids) has left, or once half of the prefix layers have left (cut >= 2), after
+  logging `fault injection: holding request=<id> transfer=<id> at <point>`, so that a test can
+  kill the process there or act on the transfer meanwhile. The hold ends early when the transfer
+  is cancelled.
+- `flip_bit`: flip one bit of the first message with a payload (the boundary, the token ids or
+  layer 0) after it was sealed: what a bad link or a bad DIMM would do.
+- `replay`: send, in place of this handoff's boundary, the boundary of the previous handoff this
+  worker sent, re-addressed to this handoff's request and place (a replay by someone who can
+  rewrite frames but not forge MACs); the first handoff is recorded and sent unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from rekv_core.handoff.transfer import Transfer
+from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name
+from rekv_core.transport import Message, TransportSender
+
+log = logging.getLogger("rekv.prefill.faults")
+
+
+class Faults:
+    def __init__(self, fault: str, hold_s: float):
+        self.fault, self.hold_s = fault, hold_s
+        self._recorded: Message | None = None
+        self._lock = threading.Lock()
+        if fault:
+            log.warning("fault injection ON: %s in every handoff (tests only)", fault)
+
+    def at_negotiation(self, request_id: str, transfer: Transfer) -> None:
+        if self.fault == "hold_negotiation":
+            self._hold(request_id, transfer, "negotiation")
+
+    def for_handoff(self, request_id: str, transfer: Transfer, cut: int,
+                    sender: TransportSender) -> _HandoffFaults | None:
+        return _HandoffFaults(self, request_id, transfer, cut, sender) if self.fault else None
+
+    def _hold(self, request_id: str, transfer: Transfer, point: str) -> None:
+        log.warning("fault injection: holding request=%s transfer=%s at %s", request_id,
+                    transfer.transfer_id, point)
+        transfer.hold(self.hold_s)
+
+    def _replayed(self, message: Message) -> Message:
+        with self._lock:
+            recorded, first = self._recorded, self._recorded is None
+            if first:
+                self._recorded = message
+        if first:
+            return message
+        log.warning("fault injection: replaying %s of transfer %s as transfer %s", recorded.name,
+                    recorded.request_id, message.request_id)
+        return dataclasses.replace(recorded, request_id=message.request_id, seq=message.seq)
+
+
+class _HandoffFaults:
+    """One handoff's `SendHooks`."""
+
+    def __init__(self, faults: Faults, request_id: str, transfer: Transfer, cut: int,
+                 sender: TransportSender):
+        self.faults, self.request_id, self.transfer = faults, request_id, transfer
+        self.cut, self.sender = cut, sender
+        self.flipped = False
+
+    def before_send(self, message: Message) -> Message:
+        fault = self.faults.fault
+        if fault == "flip_bit" and message.buffers and not self.flipped:
+            self.flipped = True
+            name, buffer = next(iter(message.buffers.items()))
+            flipped = buffer.clone()
+            flipped[len(flipped) // 2] ^= 0x10
+            log.warning("fault injection: flipped a bit of %s/%s of transfer %s", message.name,
+                        name, message.request_id)
+            return dataclasses.replace(message, buffers={**message.buffers, name: flipped})
+        if fault == "replay" and message.name in (BOUNDARY, TOKENS):
+            return self.faults._replayed(message)
+        return message
+
+    def after_send(self, name: str) -> None:
+        fault = self.faults.fault
+        if (fault == "hold_boundary" and name in (BOUNDARY, TOKENS)) or (
+                fault == "hold_prefix" and self.cut >= 2 and name == layer_name(self.cut // 2 - 1)):
+            self.sender.flush(self.transfer.transfer_id, self.transfer.wait_s())  # on the wire
+            self._hold(name)
+
+    def _hold(self, name: str) -> None:
+        point = "boundary" if name in (BOUNDARY, TOKENS) else "prefix"
+        self.faults._hold(self.request_id, self.transfer, point)

@@ -1,0 +1,83 @@
+"""A hostile process on the data plane, for the fault tests: it can reach the decode worker's UCX
+port but holds no handoff key.
+
+    python tests/rogue_peer.py ADDRESS random_tcp [COUNT]        COUNT TCP connections of random bytes
+    python tests/rogue_peer.py ADDRESS garbage TRANSFER           a frame of random bytes under the
+                                                                 transfer's first tag
+    python tests/rogue_peer.py ADDRESS unsealed|wrong_key TRANSFER
+        a well-formed plan and boundary for the transfer (the embedded model's shape), without a
+        MAC or sealed with a key of its own
+
+Prints `sent` once everything has left.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+RANDOM_BYTES = 4096
+
+
+def random_tcp(address: str, count: int) -> None:
+    host, port = address.rsplit(":", 1)
+    for _ in range(count):
+        with socket.create_connection((host, int(port)), timeout=5) as connection:
+            try:
+                connection.sendall(os.urandom(RANDOM_BYTES))
+            except OSError:  # the listener may drop the connection at once: that is fine
+                pass
+
+
+def forge(address: str, mode: str, transfer: str) -> None:
+    import torch
+
+    from rekv_core.handoff import Action
+    from rekv_core.handoff.seal import new_key, seal, with_checksums
+    from rekv_core.handoff.wire import BOUNDARY, PLAN, Plan
+    from rekv_core.model import get_preset
+    from rekv_core.transport import Message
+    from rekv_core.transport.ucx import UcxEngine, UcxSender
+    from rekv_core.transport.ucx.framing import message_tag
+
+    engine = UcxEngine()
+    try:
+        sender = UcxSender(engine, address)
+        if mode == "garbage":
+            junk = torch.frombuffer(bytearray(os.urandom(RANDOM_BYTES)), dtype=torch.uint8)
+
+            async def send_junk():
+                await sender._endpoint.send(junk.numpy(), tag=message_tag(transfer, 0, 0),
+                                            force_tag=True)
+
+            engine.call(send_junk(), 10)
+        else:
+            shape = get_preset("smollm2-135m")
+            key = new_key() if mode == "wrong_key" else None
+            seq_len = 16
+            plan = Plan.of(Action("bf16", 15, shape.num_layers), shape, seq_len).to_bytes()
+            h = {"h": torch.zeros(seq_len * shape.hidden_size * 2, dtype=torch.uint8)}
+            for seq, (name, header, buffers) in enumerate(
+                    ((PLAN, plan, {}), (BOUNDARY, with_checksums(h), h))):
+                sender.send(seal(key, Message(transfer, seq, name, header, buffers)))
+            sender.flush(transfer, 10)
+        sender.shutdown()
+    finally:
+        engine.close()
+
+
+def main(argv: list[str]) -> int:
+    address, mode, *rest = argv
+    if mode == "random_tcp":
+        random_tcp(address, int(rest[0]) if rest else 20)
+    elif mode in ("garbage", "unsealed", "wrong_key"):
+        forge(address, mode, rest[0])
+    else:
+        raise SystemExit(f"mode: unknown {mode!r}")
+    print("sent", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
