@@ -69,6 +69,9 @@ class ServiceMetrics:
         self.transport_pending = Gauge(
             "rekv_transport_pending", "Data-plane state still held: open or draining transfers "
             "(decode), messages not yet sent (prefill)", registry=r)
+        self.connections = Gauge(
+            "rekv_transport_connections", "Data-plane connections held: from live prefill "
+            "workers (decode), to decode workers (prefill)", registry=r)
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)

@@ -28,6 +28,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "replay")
+BY_REQUEST = "by_request"
 
 
 def split_host_port(address: str, what: str) -> tuple[str, int]:
@@ -94,7 +95,8 @@ class ServiceSettings:
     # completes) or end the call with UNAVAILABLE ("fail")
     on_handoff_failure: str = "recompute"
     # prefill, for the reliability tests only (logged at start): inject this fault into every
-    # handoff (services/prefill/faults.py); hold_* points hold it for fault_hold_s
+    # handoff, or with by_request the one its request id names (services/prefill/faults.py);
+    # hold_* points hold it for fault_hold_s
     fault_inject: str = ""
     fault_hold_s: float = 30.0
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
@@ -153,9 +155,9 @@ class ServiceSettings:
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(f"on_handoff_failure: must be one of {HANDOFF_FAILURE_POLICIES}, "
                              f"got {self.on_handoff_failure!r}")
-        if self.fault_inject not in ("", *FAULTS):
-            raise ValueError(f"fault_inject: must be one of {FAULTS} (or empty), got "
-                             f"{self.fault_inject!r}")
+        if self.fault_inject not in ("", BY_REQUEST, *FAULTS):
+            raise ValueError(f"fault_inject: must be one of {(BY_REQUEST, *FAULTS)} (or "
+                             f"empty), got {self.fault_inject!r}")
         if self.handoff_timeout_s <= 0:
             raise ValueError(f"handoff_timeout_s: must be > 0, got {self.handoff_timeout_s}")
         if self.fault_hold_s < 0:

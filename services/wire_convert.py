@@ -136,8 +136,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     if offer.model != model or offer.num_layers != num_layers:
         raise InvalidArgument(f"offer.model: decode runs {offer.model!r} with "
                               f"{offer.num_layers} layers, prefill {model!r} with {num_layers}")
-    if not offer.ucx_address:
-        raise InvalidArgument("offer.ucx_address: required")
+    _check_data_plane_address(offer.ucx_address)
     unknown = [c for c in offer.codecs if c not in codec_names()]
     if unknown:
         raise InvalidArgument(f"offer.codecs: unknown codec(s) {unknown}")
@@ -159,6 +158,17 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs))
+
+
+def _check_data_plane_address(address: str) -> None:
+    """host:port with a port in 1..65535 (an IPv6 host in brackets), or an in-process link's."""
+    if not address:
+        raise InvalidArgument("offer.ucx_address: required")
+    if address.startswith("inprocess:"):
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument(f"offer.ucx_address: {address[:80]!r} is not host:port")
 
 
 def _amount(value: float, field: str) -> float:

@@ -4,6 +4,7 @@ port but holds no handoff key.
     python tests/rogue_peer.py ADDRESS random_tcp [COUNT]        COUNT TCP connections of random bytes
     python tests/rogue_peer.py ADDRESS garbage TRANSFER           a frame of random bytes under the
                                                                  transfer's first tag
+    python tests/rogue_peer.py ADDRESS oversized TRANSFER         a 64 MiB frame under that tag
     python tests/rogue_peer.py ADDRESS unsealed|wrong_key TRANSFER
         a well-formed plan and boundary for the transfer (the embedded model's shape), without a
         MAC or sealed with a key of its own
@@ -44,8 +45,9 @@ def forge(address: str, mode: str, transfer: str) -> None:
     engine = UcxEngine()
     try:
         sender = UcxSender(engine, address)
-        if mode == "garbage":
-            junk = torch.frombuffer(bytearray(os.urandom(RANDOM_BYTES)), dtype=torch.uint8)
+        if mode in ("garbage", "oversized"):
+            junk = (torch.frombuffer(bytearray(os.urandom(RANDOM_BYTES)), dtype=torch.uint8)
+                    if mode == "garbage" else torch.zeros(64 << 20, dtype=torch.uint8))
 
             async def send_junk():
                 await sender._endpoint.send(junk.numpy(), tag=message_tag(transfer, 0, 0),
@@ -71,7 +73,7 @@ def main(argv: list[str]) -> int:
     address, mode, *rest = argv
     if mode == "random_tcp":
         random_tcp(address, int(rest[0]) if rest else 20)
-    elif mode in ("garbage", "unsealed", "wrong_key"):
+    elif mode in ("garbage", "oversized", "unsealed", "wrong_key"):
         forge(address, mode, rest[0])
     else:
         raise SystemExit(f"mode: unknown {mode!r}")

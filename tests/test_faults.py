@@ -64,17 +64,27 @@ class Cluster:
         self.decode.wait_ready(300)
         self.channel = grpc.insecure_channel(self.decode.info["grpc"])
         self.started = 0
+        self.serving: ServiceProcess | None = None
+        self.decode_threads = 0  # after its first fallback (its pools started)
 
-    def prefill(self, fault: str = "") -> ServiceProcess:
+    def prefill(self) -> ServiceProcess:
+        """The prefill service at the decode service's prefill address, started when none runs;
+        it injects the fault a request id names (`fault/name`)."""
+        if self.serving is not None and self.serving.process.poll() is None:
+            return self.serving
         self.started += 1
-        directory = self.log_dir / f"prefill-{self.started}-{fault or 'clean'}"
+        directory = self.log_dir / f"prefill-{self.started}"
         directory.mkdir()
-        args = ["--grpc-port", str(self.prefill_port), *THREADS]
-        if fault:
-            args += ["--fault-inject", fault, "--fault-hold-s", "60"]
-        process = ServiceProcess("prefill", args, directory)
-        process.wait_ready(300)
-        return process
+        self.serving = ServiceProcess("prefill", [
+            "--grpc-port", str(self.prefill_port), *THREADS, "--fault-inject", "by_request",
+            "--fault-hold-s", "60"], directory)
+        self.serving.wait_ready(300)
+        return self.serving
+
+    def kill_prefill(self) -> None:
+        self.serving.process.send_signal(signal.SIGKILL)
+        self.serving.stop()
+        self.serving = None
 
     def request(self, name: str, timeout: float = 120.0, forced=BF16_JOINT):
         return generate(self.channel, name, PROMPT, NEW_TOKENS, forced_action=forced,
@@ -91,6 +101,8 @@ def cluster(tmp_path_factory):
     yield cluster
     cluster.channel.close()
     assert cluster.decode.stop() == 0
+    if cluster.serving is not None:
+        assert cluster.serving.stop() == 0
 
 
 def _held(text: str) -> dict[str, float]:
@@ -114,6 +126,15 @@ def assert_nothing_held(cluster: Cluster, *processes: ServiceProcess, within: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"still held after {within} s: {held}")
         time.sleep(0.25)
+
+
+def gauge(cluster: Cluster, process: ServiceProcess, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", cluster.metrics(process), re.M).group(1))
+
+
+def threads(process: ServiceProcess) -> int:
+    status = Path(f"/proc/{process.process.pid}/status").read_text()
+    return int(re.search(r"^Threads:\s+(\d+)$", status, re.M).group(1))
 
 
 def fallbacks(cluster: Cluster) -> dict[str, float]:
@@ -156,50 +177,48 @@ class InBackground:
         return self.outcome
 
 
-def _cancel_while_held(cluster: Cluster, prefill: ServiceProcess) -> None:
-    """A caller that cancels its call while the handoff is held mid-transfer: both sides let go
-    of it (the prefill side sees its own call cancelled and stops sending)."""
-    stub = rekv_pb2_grpc.DecodeStub(cluster.channel)
-    call = stub.Generate(generate_request("cancelled", PROMPT, NEW_TOKENS, BF16_JOINT),
-                         timeout=120)
-    wait_for_hold(prefill, "cancelled")
-    call.cancel()
-    with pytest.raises(grpc.RpcError) as error:
-        list(call)
-    assert error.value.code() == grpc.StatusCode.CANCELLED
+def _rogue(*args: str) -> None:
+    rogue = Path(__file__).with_name("rogue_peer.py")
+    done = subprocess.run([sys.executable, str(rogue), *args], capture_output=True, text=True,
+                          timeout=120, cwd=rogue.parent.parent)
+    assert done.returncode == 0 and "sent" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fault", ["flip_bit", "replay"])
+def test_tampered_messages_are_never_written_into_a_cache(cluster, reference, fault):
+    prefill = cluster.prefill()
+    assert not cluster.request(f"before-{fault}").summary.fallback  # replay: the one replayed
+    before = fallbacks(cluster).get("integrity", 0)
+    result = cluster.request(f"{fault}/tampered")
+    assert result.token_ids == reference
+    assert result.summary.fallback_reason.startswith("integrity"), result.summary
+    assert fallbacks(cluster)["integrity"] == before + 1
     assert_nothing_held(cluster, cluster.decode, prefill)
 
 
-def test_prefill_killed_mid_handoff_loses_nothing(cluster, reference):
-    """SIGKILL during negotiation, after the boundary, and mid-prefix; at the boundary a caller
-    also cancels first. Each request completes with the reference's tokens; then a new prefill
-    process at the same address serves handoffs again."""
-    for point in ("negotiation", "boundary", "prefix"):
-        prefill = cluster.prefill(f"hold_{point}")
-        if point == "boundary":
-            _cancel_while_held(cluster, prefill)
-        before = fallbacks(cluster).get("prefill_unavailable", 0)
-        pending = InBackground(cluster, f"kill-at-{point}")
-        wait_for_hold(prefill, f"kill-at-{point}")
-        prefill.process.send_signal(signal.SIGKILL)
+def test_a_process_without_the_key_cannot_inject_kv(cluster, reference):
+    """While the real prefill holds each handoff before sending anything, another process sends
+    forged messages under the open transfer's tags: rejected, and the request still completes."""
+    address = cluster.decode.info["ucx"]
+    prefill = cluster.prefill()
+    for mode, reason in (("wrong_key", "integrity"), ("unsealed", "integrity"),
+                         ("garbage", "transfer"), ("oversized", "transfer")):
+        before = fallbacks(cluster).get(reason, 0)
+        pending = InBackground(cluster, f"hold_negotiation/forged-{mode}")
+        transfer = wait_for_hold(prefill, f"hold_negotiation/forged-{mode}")
+        _rogue(address, mode, transfer)
         result = pending.result()
-        prefill.stop()
-        assert result.token_ids == reference, point
-        assert result.summary.fallback, "a dead prefill cannot have completed the handoff"
-        assert fallbacks(cluster)["prefill_unavailable"] == before + 1
-        assert_nothing_held(cluster, cluster.decode)
-
-    clean = cluster.prefill()
-    try:
-        again = cluster.request("after-kills")
-        assert again.token_ids == reference and not again.summary.fallback
-        assert_nothing_held(cluster, cluster.decode, clean)
-    finally:
-        assert clean.stop() == 0
+        assert result.token_ids == reference, mode
+        assert result.summary.fallback_reason.startswith(reason), result.summary
+        assert fallbacks(cluster)[reason] == before + 1
+    _rogue(address, "random_tcp", "20")
+    assert_nothing_held(cluster, cluster.decode, prefill)
+    assert not cluster.request("after-forgeries").summary.fallback
 
 
 def test_decode_killed_mid_stream_and_restarted(cluster, reference, tmp_path):
-    """The caller sees a clear error; the restarted decode service (same ports) serves the next
+    """A caller that cancels mid-stream frees the decode side; one whose decode process is killed
+    mid-stream sees a clear error; the restarted decode service (same ports) serves the next
     request, and the prefill service, which kept its connection to the old process, reconnects
     without a restart."""
     prefill = cluster.prefill()
@@ -209,6 +228,15 @@ def test_decode_killed_mid_stream_and_restarted(cluster, reference, tmp_path):
     try:
         decode.wait_ready(300)
         with grpc.insecure_channel(decode.info["grpc"]) as channel:
+            cancelled = rekv_pb2_grpc.DecodeStub(channel).Generate(
+                generate_request("cancelled-mid-stream", PROMPT, 64, BF16_JOINT,
+                                 stop_at_eos=False), timeout=120)
+            with pytest.raises(grpc.RpcError) as error:
+                for index, _ in enumerate(cancelled):
+                    if index == 2:
+                        cancelled.cancel()
+            assert error.value.code() == grpc.StatusCode.CANCELLED
+            assert_nothing_held(cluster, decode, prefill)
             stream = rekv_pb2_grpc.DecodeStub(channel).Generate(
                 generate_request("long", PROMPT, 64, BF16_JOINT, stop_at_eos=False), timeout=120)
             with pytest.raises(grpc.RpcError) as error:
@@ -224,58 +252,50 @@ def test_decode_killed_mid_stream_and_restarted(cluster, reference, tmp_path):
         assert all(r.token_ids == reference for r in results)
         assert not results[-1].summary.fallback, "the prefill side never reconnected"
         assert_nothing_held(cluster, decode, prefill)
+        # its connections: to the cluster's decode service and to the restarted one
+        assert gauge(cluster, prefill, "rekv_transport_connections") == 2
     finally:
         assert decode.stop() == 0
-        assert prefill.stop() == 0
 
 
-@pytest.mark.parametrize("fault", ["flip_bit", "replay"])
-def test_tampered_messages_are_never_written_into_a_cache(cluster, reference, fault):
-    prefill = cluster.prefill(fault)
-    try:
-        before = fallbacks(cluster).get("integrity", 0)
-        results = [cluster.request(f"{fault}-{i}") for i in range(2)]
-        assert [r.token_ids for r in results] == [reference, reference]
-        # flip_bit: both handoffs carry a flipped bit; replay: the first is recorded and sent
-        # as it is, the second gets the first one's boundary
-        expected = [True, True] if fault == "flip_bit" else [False, True]
-        assert [r.summary.fallback for r in results] == expected
-        assert all("integrity" in r.summary.fallback_reason for r in results if r.summary.fallback)
-        assert fallbacks(cluster)["integrity"] == before + sum(expected)
-        assert_nothing_held(cluster, cluster.decode, prefill)
-    finally:
-        assert prefill.stop() == 0
+def _cancel_while_held(cluster: Cluster, prefill: ServiceProcess) -> None:
+    """A caller that cancels its call while the handoff is held mid-transfer: both sides let go
+    of it (the prefill side sees its own call cancelled and stops sending)."""
+    stub = rekv_pb2_grpc.DecodeStub(cluster.channel)
+    call = stub.Generate(generate_request("hold_boundary/cancelled", PROMPT, NEW_TOKENS,
+                                          BF16_JOINT), timeout=120)
+    wait_for_hold(prefill, "hold_boundary/cancelled")
+    call.cancel()
+    with pytest.raises(grpc.RpcError) as error:
+        list(call)
+    assert error.value.code() == grpc.StatusCode.CANCELLED
+    assert_nothing_held(cluster, cluster.decode, prefill)
 
 
-def _rogue(*args: str) -> None:
-    rogue = Path(__file__).with_name("rogue_peer.py")
-    done = subprocess.run([sys.executable, str(rogue), *args], capture_output=True, text=True,
-                          timeout=120, cwd=rogue.parent.parent)
-    assert done.returncode == 0 and "sent" in done.stdout, done.stderr[-3000:]
+def test_prefill_killed_mid_handoff_loses_nothing(cluster, reference):
+    """SIGKILL during negotiation, after the boundary, and mid-prefix; at the boundary a caller
+    also cancels first. Each request completes with the reference's tokens; then a new prefill
+    process at the same address serves handoffs again."""
+    for point in ("negotiation", "boundary", "prefix"):
+        prefill = cluster.prefill()
+        if point == "boundary":
+            _cancel_while_held(cluster, prefill)
+        before = fallbacks(cluster).get("prefill_unavailable", 0)
+        pending = InBackground(cluster, f"hold_{point}/killed")
+        wait_for_hold(prefill, f"hold_{point}/killed")
+        cluster.kill_prefill()
+        result = pending.result()
+        assert result.token_ids == reference, point
+        assert result.summary.fallback, "a dead prefill cannot have completed the handoff"
+        assert fallbacks(cluster)["prefill_unavailable"] == before + 1
+        assert_nothing_held(cluster, cluster.decode)
+        cluster.decode_threads = cluster.decode_threads or threads(cluster.decode)
 
-
-def test_a_process_without_the_key_cannot_inject_kv(cluster, reference):
-    """While the real prefill holds each handoff before sending anything, another process sends
-    forged messages under the open transfer's tags: rejected, and the request still completes."""
-    address = cluster.decode.info["ucx"]
-    prefill = cluster.prefill("hold_negotiation")
-    try:
-        for mode, reason in (("wrong_key", "integrity"), ("unsealed", "integrity"),
-                             ("garbage", "transfer")):
-            before = fallbacks(cluster).get(reason, 0)
-            pending = InBackground(cluster, f"forged-{mode}")
-            transfer = wait_for_hold(prefill, f"forged-{mode}")
-            _rogue(address, mode, transfer)
-            result = pending.result()
-            assert result.token_ids == reference, mode
-            assert result.summary.fallback_reason.startswith(reason), result.summary
-            assert fallbacks(cluster)[reason] == before + 1
-        _rogue(address, "random_tcp", "20")
-        assert_nothing_held(cluster, cluster.decode, prefill)
-    finally:
-        prefill.stop()
-    clean = cluster.prefill()
-    try:
-        assert not cluster.request("after-forgeries").summary.fallback
-    finally:
-        assert clean.stop() == 0
+    clean = cluster.prefill()  # the same address, a new process: the handoff works again
+    again = cluster.request("after-kills")
+    assert again.token_ids == reference and not again.summary.fallback
+    assert_nothing_held(cluster, cluster.decode, clean)
+    # the endpoints of the three killed processes are gone; the new one's is live
+    assert gauge(cluster, cluster.decode, "rekv_transport_connections") == 1
+    assert gauge(cluster, clean, "rekv_transport_connections") == 1
+    assert threads(cluster.decode) <= cluster.decode_threads + 4  # a pool's spares at most

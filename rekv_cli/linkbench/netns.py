@@ -3,10 +3,14 @@
 `EmulatedLink()` creates namespaces `rekv<id>p` (prefill side) and `rekv<id>d` (decode side), a
 veth pair between them with the addresses 10.213.0.1 and .2, which exist only inside those
 namespaces, and a token-bucket filter (`tbf`) on both ends; `set_rate(gbps)` reshapes it. Traffic between the two addresses only
-ever crosses this pair. `close()` (also on `with` exit, even after an error) deletes both
-namespaces, which removes the pair. It needs root and the `ip` and `tc` commands; `unavailable()`
-says why when they are missing. This kernel's `tc` has no `netem`: there is no delay or loss
-emulation, only rate.
+ever crosses this pair. `set_up(False)` black-holes the link: both ends of the pair go down, so no
+packet crosses and the route between the two addresses goes too; `set_up(True)` brings both ends
+and the route back (the `tbf` stays). Open TCP connections are not reset: they stall, their
+retransmission timers back off, and they resume at the next retransmission after the link is
+back (seconds later after a long outage). `close()` (also on `with` exit, even after an error)
+deletes both namespaces, which removes the pair. It needs root and the `ip` and `tc` commands;
+`unavailable()` says why when they are missing. This kernel's `tc` has no `netem`: there is no
+delay or loss emulation, only rate and the black hole.
 """
 
 from __future__ import annotations
@@ -77,6 +81,11 @@ class EmulatedLink:
             _run("ip", "netns", "exec", ns, "tc", "qdisc", "change", "dev", dev, "root",
                  *self._tbf(gbps))
         self.gbps = gbps
+
+    def set_up(self, up: bool) -> None:
+        """Take both ends of the veth pair down (a black hole) or bring them back up."""
+        for ns, dev in zip((self.prefill_ns, self.decode_ns), self._veth):
+            _run("ip", "-n", ns, "link", "set", dev, "up" if up else "down")
 
     def prefix(self, side: str) -> list[str]:
         """The command prefix that runs a program inside one side's namespace."""

@@ -37,7 +37,8 @@ Which side calls what:
 
 A receive's life cycle is the ordered `ReceiveState`: OPEN < DRAINING < CLOSED.
 
-`pending()` on each side reports what is still held (for leak checks: all zeros when idle).
+`pending()` on each side reports what is still held (for leak checks: all zeros when idle);
+`connections()` on a receiver and a sender pool how many peer connections they hold.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ class TransportReceiver(ABC):
     @abstractmethod
     def pending(self) -> dict[str, int]: ...
 
+    def connections(self) -> int:
+        """Live connections from senders; transports without connections have none."""
+        return 0
+
     def shutdown(self) -> None:
         """Free everything the receiver owns; receivers that own nothing have nothing to do."""
 
@@ -182,6 +187,11 @@ class SenderPool(ABC):
         with self._lock:
             senders = list(self._senders.values())
         return {"in_flight_messages": sum(s.pending()["in_flight_messages"] for s in senders)}
+
+    def connections(self) -> int:
+        """Senders held, one per receiver address (a broken one until it is replaced)."""
+        with self._lock:
+            return len(self._senders)
 
     def shutdown(self) -> None:
         with self._lock:

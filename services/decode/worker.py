@@ -39,6 +39,7 @@ class DecodeWorker(Worker):
         self.receiver = create_receiver(settings.transport, self.transport_options())
         metrics.link.set_function(lambda: self.calibration.link_gbps)
         metrics.transport_pending.set_function(lambda: sum(self.receiver.pending().values()))
+        metrics.connections.set_function(self.receiver.connections)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -1,6 +1,9 @@
 """Fault injection for the reliability tests: a fault put into every handoff this worker sends.
 
-Off unless `fault_inject` is set (never in production; the service logs a warning at start).
+Off unless `fault_inject` is set (never in production; the service logs a warning at start) to
+one of the faults below, put into every handoff, or to `by_request`: each handoff whose request
+id starts with a fault's name and a slash (`hold_boundary/req-1`) gets that fault, the others
+none, so that one process serves every kind of fault in turn.
 `Faults.for_handoff(request_id, transfer, cut, sender)` gives one handoff's `SendHooks`:
 
 - `hold_negotiation`, `hold_boundary`, `hold_prefix`: hold the handoff for `fault_hold_s` seconds
@@ -13,7 +16,7 @@ Off unless `fault_inject` is set (never in production; the service logs a warnin
   layer 0) after it was sealed: what a bad link or a bad DIMM would do.
 - `replay`: send, in place of this handoff's boundary, the boundary of the previous handoff this
   worker sent, re-addressed to this handoff's request and place (a replay by someone who can
-  rewrite frames but not forge MACs); the first handoff is recorded and sent unchanged.
+  rewrite frames but not forge MACs); with no previous handoff it is sent unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import threading
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name
 from rekv_core.transport import Message, TransportSender
+from services.settings import BY_REQUEST, FAULTS
 
 log = logging.getLogger("rekv.prefill.faults")
 
@@ -37,25 +41,32 @@ class Faults:
         if fault:
             log.warning("fault injection ON: %s in every handoff (tests only)", fault)
 
+    def fault_for(self, request_id: str) -> str:
+        if self.fault != BY_REQUEST:
+            return self.fault
+        name = request_id.split("/", 1)[0]
+        return name if name in FAULTS and "/" in request_id else ""
+
     def at_negotiation(self, request_id: str, transfer: Transfer) -> None:
-        if self.fault == "hold_negotiation":
+        if self.fault_for(request_id) == "hold_negotiation":
             self._hold(request_id, transfer, "negotiation")
 
     def for_handoff(self, request_id: str, transfer: Transfer, cut: int,
                     sender: TransportSender) -> _HandoffFaults | None:
-        return _HandoffFaults(self, request_id, transfer, cut, sender) if self.fault else None
+        fault = self.fault_for(request_id) if self.fault else ""
+        return _HandoffFaults(self, fault, request_id, transfer, cut, sender) if self.fault \
+            else None
 
     def _hold(self, request_id: str, transfer: Transfer, point: str) -> None:
         log.warning("fault injection: holding request=%s transfer=%s at %s", request_id,
                     transfer.transfer_id, point)
         transfer.hold(self.hold_s)
 
-    def _replayed(self, message: Message) -> Message:
+    def _replayed(self, message: Message, replay: bool) -> Message:
+        """Record this boundary; with `replay`, send the one recorded before it instead."""
         with self._lock:
-            recorded, first = self._recorded, self._recorded is None
-            if first:
-                self._recorded = message
-        if first:
+            recorded, self._recorded = self._recorded, message
+        if not replay or recorded is None:
             return message
         log.warning("fault injection: replaying %s of transfer %s as transfer %s", recorded.name,
                     recorded.request_id, message.request_id)
@@ -65,14 +76,15 @@ class Faults:
 class _HandoffFaults:
     """One handoff's `SendHooks`."""
 
-    def __init__(self, faults: Faults, request_id: str, transfer: Transfer, cut: int,
+    def __init__(self, faults: Faults, fault: str, request_id: str, transfer: Transfer, cut: int,
                  sender: TransportSender):
-        self.faults, self.request_id, self.transfer = faults, request_id, transfer
+        self.faults, self.fault, self.request_id, self.transfer = faults, fault, request_id, \
+            transfer
         self.cut, self.sender = cut, sender
         self.flipped = False
 
     def before_send(self, message: Message) -> Message:
-        fault = self.faults.fault
+        fault = self.fault
         if fault == "flip_bit" and message.buffers and not self.flipped:
             self.flipped = True
             name, buffer = next(iter(message.buffers.items()))
@@ -81,12 +93,12 @@ class _HandoffFaults:
             log.warning("fault injection: flipped a bit of %s/%s of transfer %s", message.name,
                         name, message.request_id)
             return dataclasses.replace(message, buffers={**message.buffers, name: flipped})
-        if fault == "replay" and message.name in (BOUNDARY, TOKENS):
-            return self.faults._replayed(message)
+        if message.name in (BOUNDARY, TOKENS):
+            return self.faults._replayed(message, fault == "replay")
         return message
 
     def after_send(self, name: str) -> None:
-        fault = self.faults.fault
+        fault = self.fault
         if (fault == "hold_boundary" and name in (BOUNDARY, TOKENS)) or (
                 fault == "hold_prefix" and self.cut >= 2 and name == layer_name(self.cut // 2 - 1)):
             self.sender.flush(self.transfer.transfer_id, self.transfer.wait_s())  # on the wire

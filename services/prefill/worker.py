@@ -52,6 +52,7 @@ class PrefillWorker(Worker):
         metrics.link.set(self.calibration.link_gbps(0.0))
         metrics.transport_pending.set_function(
             lambda: self.senders.pending()["in_flight_messages"])
+        metrics.connections.set_function(self.senders.connections)
 
     def check(self, call: HandoffCall) -> None:
         """This worker's limits; INVALID_ARGUMENT naming the field."""

@@ -36,7 +36,7 @@ from rekv_core import streams
 from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.base import Message, ReceiveState, TransportError, TransportReceiver
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
-from rekv_core.transport.ucx.framing import decode_frame, message_tag, wire_view
+from rekv_core.transport.ucx.framing import MAX_FRAME, decode_frame, message_tag, wire_view
 
 PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
 
@@ -49,6 +49,14 @@ def _context():
 
 async def _recv_tag(buffer, tag: int) -> None:
     await _context().recv(buffer, tag)
+
+
+async def _discard(context, probe) -> None:
+    """Take an oversized message out of UCX without room for it: UCX truncates and drops it."""
+    try:
+        await context.recv_with_handle(torch.empty(MAX_FRAME, dtype=torch.uint8).numpy(), probe)
+    except Exception:  # the truncation error is what dropping it looks like
+        pass
 
 
 async def _take_frame(tag: int, give_up: Callable[[], bool]
@@ -67,6 +75,9 @@ async def _take_frame(tag: int, give_up: Callable[[], bool]
         probe = context.tag_probe(tag, remove=True)
         if probe.matched:
             window = time.perf_counter() - (began if last_empty is None else last_empty)
+            if probe.length > MAX_FRAME:  # checked before anything of its size is allocated
+                await _discard(context, probe)
+                raise TransportError(f"frame: {probe.length} bytes, more than {MAX_FRAME}")
             frame = torch.empty(probe.length, dtype=torch.uint8)
             await context.recv_with_handle(frame.numpy(), probe)
             return frame, last_empty is None, window

@@ -32,8 +32,11 @@ class UcxSender(TransportSender):
             raise ValueError(f"address: expected host:port, got {address!r}")
         self._engine = engine
         self.address = address
-        self._endpoint = engine.call(self._connect(host, int(port), connect_timeout),
-                                     connect_timeout + 1)
+        try:
+            self._endpoint = engine.call(self._connect(host, int(port), connect_timeout),
+                                         connect_timeout + 1)
+        except Exception as exc:  # refused, unreachable, timed out: the peer is not there
+            raise TransportError(f"cannot connect to {address}: {exc}") from exc
         self._in_flight: dict[str, list] = {}
         self._orphans: list[list] = []  # parts of given-up sends, kept until shutdown
         self._lock = threading.Lock()
