@@ -5,6 +5,8 @@ port but holds no handoff key.
     python tests/rogue_peer.py ADDRESS garbage TRANSFER           a frame of random bytes under the
                                                                  transfer's first tag
     python tests/rogue_peer.py ADDRESS oversized TRANSFER         a 64 MiB frame under that tag
+    python tests/rogue_peer.py ADDRESS frames COUNT               COUNT frames of random bytes and
+                                                                 sizes, each under a random tag
     python tests/rogue_peer.py ADDRESS unsealed|wrong_key TRANSFER
         a well-formed plan and boundary for the transfer (the embedded model's shape), without a
         MAC or sealed with a key of its own
@@ -29,6 +31,30 @@ def random_tcp(address: str, count: int) -> None:
                 connection.sendall(os.urandom(RANDOM_BYTES))
             except OSError:  # the listener may drop the connection at once: that is fine
                 pass
+
+
+def random_frames(address: str, count: int) -> None:
+    import random
+
+    import torch
+
+    from rekv_core.transport.ucx import UcxEngine, UcxSender
+
+    engine = UcxEngine(host_eager=True)  # eager: a rendezvous send would wait for a receive
+    try:
+        sender = UcxSender(engine, address)
+
+        async def send_all():
+            for _ in range(count):
+                size = random.choice((0, 1, 7, 100, RANDOM_BYTES))
+                junk = torch.frombuffer(bytearray(os.urandom(size) or b"\0"), dtype=torch.uint8)
+                await sender._endpoint.send(junk.numpy(), tag=random.getrandbits(64),
+                                            force_tag=True)
+
+        engine.call(send_all(), 60)
+        sender.shutdown()
+    finally:
+        engine.close()
 
 
 def forge(address: str, mode: str, transfer: str) -> None:
@@ -73,6 +99,8 @@ def main(argv: list[str]) -> int:
     address, mode, *rest = argv
     if mode == "random_tcp":
         random_tcp(address, int(rest[0]) if rest else 20)
+    elif mode == "frames":
+        random_frames(address, int(rest[0]))
     elif mode in ("garbage", "oversized", "unsealed", "wrong_key"):
         forge(address, mode, rest[0])
     else:

@@ -1,13 +1,16 @@
 """Faults injected into real processes: the decode service never loses a request it accepted.
 
-One decode service runs throughout, pointed at a fixed prefill port; each test starts prefill
-services there (with a fault set by `--fault-inject`, services/prefill/faults.py), kills them with
-SIGKILL, or sends from a hostile process (tests/rogue_peer.py). After each fault the request
+One decode service runs throughout, pointed at a fixed prefill port, where a prefill service runs
+with `--fault-inject by_request` (services/prefill/faults.py: a request id `hold_boundary/x` holds
+that handoff after its boundary, `flip_bit/x` flips a bit of it, ...); tests kill it with SIGKILL
+(and start another), or send from a hostile process (tests/rogue_peer.py). After each fault the request
 must complete with the reference's tokens (recomputed on the decode side, and counted by reason),
 nothing may stay held (the data plane's pending state, the handoffs and transfers in flight), and
-the services must keep serving.
+the services must keep serving. (`REKV_FUZZ_UCX_CONNECTIONS` and `REKV_FUZZ_UCX_FRAMES` raise the
+number of random-byte connections and random frames for a bench run.)
 """
 
+import os
 import re
 import signal
 import socket
@@ -211,7 +214,8 @@ def test_a_process_without_the_key_cannot_inject_kv(cluster, reference):
         assert result.token_ids == reference, mode
         assert result.summary.fallback_reason.startswith(reason), result.summary
         assert fallbacks(cluster)[reason] == before + 1
-    _rogue(address, "random_tcp", "20")
+    _rogue(address, "random_tcp", os.environ.get("REKV_FUZZ_UCX_CONNECTIONS", "20"))
+    _rogue(address, "frames", os.environ.get("REKV_FUZZ_UCX_FRAMES", "50"))
     assert_nothing_held(cluster, cluster.decode, prefill)
     assert not cluster.request("after-forgeries").summary.fallback
 

@@ -18,7 +18,7 @@ from rekv_cli.launcher import ServicePair
 from services.rpc import rekv_pb2, rekv_pb2_grpc
 from tests.test_fuzz_requests import FIELDS, generate_requests, handoff_requests
 
-CASES = settings(max_examples=int(os.environ.get("REKV_FUZZ_LIVE_EXAMPLES", "40")),
+CASES = settings(max_examples=int(os.environ.get("REKV_FUZZ_LIVE_EXAMPLES", "25")),
                  deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                       HealthCheck.function_scoped_fixture])
 CLEAR = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT}

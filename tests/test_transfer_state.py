@@ -159,5 +159,14 @@ def test_a_cancelled_send_stops_before_its_next_message_and_frees_it(smollm_bf16
             send_handoff(link.sender, "r", action, model.shape, IDS, state, transfer=transfer,
                          hooks=CancelAfterBoundary())
         assert transfer.state is TransferState.FAILED
-        assert link.sender.pending()["in_flight_messages"] == 0
         link.receiver.abort("r")
+        deadline = time.monotonic() + 5  # the link's thread delivers what was already posted
+        while link.sender.pending()["in_flight_messages"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert link.sender.pending()["in_flight_messages"] == 0
+
+
+def test_an_untrusted_prediction_leaves_the_deadline_alone():
+    transfer = Transfer("cold", stall_s=7.0, trust_predictions=False)
+    transfer.expect_within(0.0)
+    assert transfer.deadline is None and transfer.wait_s() == 7.0

@@ -8,8 +8,9 @@ however the handoff goes:
    opened on the data-plane receiver, which starts receiving at once (the cache is allocated while
    the prefill side computes);
 2. the `Handoff` call goes to the least loaded prefill replica with this worker's offer and the
-   handoff's key; the plan that arrives first on the data plane tightens the deadline to what the
-   prefill side predicts (`transfer.allowed_s`), and every wait obeys it;
+   handoff's key; once this worker has measured the link, the plan that arrives first on the data
+   plane tightens the deadline to what the prefill side predicts (`transfer.allowed_s`; before,
+   the prediction rests on a prior and can be far too short); every wait obeys the deadline;
 3. the cache is complete once every message has arrived and passed its checks; the reply, which
    the prefill side sends once its last byte has left, teaches the calibration. A verified cache
    whose reply is late (or lost) is kept: the reply only carries timings.
@@ -104,7 +105,8 @@ class Handoffs:
             reserve = RECOMPUTE_RESERVE * worker.recompute_s(len(ids), load)
             deadline = time.monotonic() + max(time_remaining - reserve, time_remaining / 2)
         transfer = Transfer(f"{call.request_id}/{uuid.uuid4().hex}", deadline,
-                            worker.settings.handoff_timeout_s, worker.transfers)
+                            worker.settings.handoff_timeout_s, worker.transfers,
+                            trust_predictions=worker.calibration.link.samples > 0)
         key = new_key()  # this handoff's: only the chosen prefill worker learns it
         worker.receiver.open(transfer.transfer_id)  # 1
         receiving = asyncio.ensure_future(asyncio.to_thread(
