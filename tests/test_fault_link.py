@@ -49,6 +49,7 @@ PROMPT_LEN = 256
 NEW_TOKENS = 8
 FULL_BF16 = ("bf16", 30)
 DEADLINE_S = 60.0  # the cut request's gRPC deadline
+STALL_S = 20.0  # the decode worker's longest wait for one message
 REQUEST_S = 30.0  # every other request's
 WARM_REQUESTS = 1
 RECOVERY_REQUESTS = 3  # after the link is back, one of this many must use the handoff again
@@ -194,7 +195,10 @@ def cluster(tmp_path):
     """The services across the link, and the client; all of it is gone afterwards."""
     settings = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens",
                 str(PROMPT_LEN), "--max-new-tokens", str(NEW_TOKENS), "--link-gbps",
-                str(LINK_GBPS), "--profile", str(PROFILE)]
+                str(LINK_GBPS), "--profile", str(PROFILE),
+                # no message within this long ends the wait even when the plan's deadline is
+                # not set (no link measured yet) or too generous
+                "--handoff-timeout-s", str(STALL_S)]
     prompt = torch.randint(0, 49152, (PROMPT_LEN,),
                            generator=torch.Generator().manual_seed(7)).tolist()
     with netns.EmulatedLink(LINK_GBPS) as link, ThreadPoolExecutor(1) as pool:
