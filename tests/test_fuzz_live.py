@@ -41,8 +41,10 @@ def pair(tmp_path_factory):
 
 
 def _named(details: str) -> bool:
+    """The message starts with a request field (the prompt's `text` or `token_ids`, one of the
+    others, or a nested one)."""
     field = details.split(":")[0]
-    return any(field.startswith(f) for f in FIELDS) or "." in field
+    return any(field.startswith(f) for f in (*FIELDS, "text")) or "." in field
 
 
 @CASES
