@@ -44,6 +44,9 @@ class UcxEngine:
         if not 0 <= loop_nice <= 19:
             raise ValueError(f"loop_nice: must lie in [0, 19], got {loop_nice}")
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        # a restarted decode worker binds its listener port again at once, while the kernel may
+        # still hold the old process's connections to it
+        os.environ.setdefault("UCX_TCP_CM_REUSEADDR", "y")
         for name, value in HOST_EAGER_ENV.items() if host_eager else ():
             os.environ.setdefault(name, value)
         import ucxx  # noqa: F401  (fail here, clearly, when ucxx is missing)

@@ -39,6 +39,7 @@ from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import MAX_FRAME, decode_frame, message_tag, wire_view
 
 PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
+LISTEN_ATTEMPTS = 20  # binding a fixed port, 0.5 s apart
 
 
 def _context():
@@ -142,7 +143,13 @@ class UcxReceiver(TransportReceiver):
             for old in gone:
                 old.abort()
 
-        return ucxx.create_listener(on_connect, port=port)
+        for attempt in range(LISTEN_ATTEMPTS):  # a port just freed may stay busy a moment
+            try:
+                return ucxx.create_listener(on_connect, port=port)
+            except ucxx.exceptions.UCXBusyError:
+                if not port or attempt == LISTEN_ATTEMPTS - 1:
+                    raise
+                await asyncio.sleep(0.5)
 
     def open(self, request_id: str) -> None:
         with self._lock:
