@@ -1,18 +1,19 @@
-"""The prefill side of a handoff: send h_c first, then the prefix layer by layer.
+"""The prefill side of a handoff: the plan, then the boundary and the prefix layer by layer.
 
-`send_handoff(transport, request_id, action, token_ids, state)` takes the prefill's output (every
-layer's K, V and the hidden states it kept) and sends, in order: the plan, the boundary h_c (or the
-token ids for c = 0), then each prefix layer as soon as it is encoded, so layer 0 is on the wire
-while layer 1 is being quantized; for transfer-only, the last position's final hidden state last. It
-returns the seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the
-request first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
-message and gives up what it posted. Every message is sealed with the handoff's key and carries
-checksums of its buffers (`seal`). `state.keys`/`state.values` are only indexed in layer order, so a
-producer that yields layers while the prefill still runs can stand in for a finished
-`PrefillOutput`.
+`send_handoff(transport, request_id, action, shape, token_ids, source)` sends one handoff from a
+`PrefillSource` (or a finished `PrefillOutput`), in order: the plan; then the token ids for c = 0;
+then, from a finished prefill (the seed's schedule), the boundary h_c in token chunks followed by
+each prefix layer as soon as it is encoded, so layer 0 is on the wire while layer 1 is being
+quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
+has computed it, then the boundary chunks once it has reached the cut; for transfer-only, the last
+position's final hidden state last. It returns the seconds spent encoding (Q) and the bytes sent by
+kind. The receiver must have opened the request first. The handoff's `Transfer` bounds it: a
+cancelled or late handoff stops before its next message and gives up what it posted. Every message
+is sealed with the handoff's key and carries checksums of its buffers (`seal`).
 
-On CUDA the encoding runs on a stream of its own that first waits for the caller's stream (where
-the prefill ran), and every message carries the `ready` event of its buffers (`rekv_core.streams`).
+On CUDA the encoding runs on a stream of its own that waits for the caller's stream (where the
+prefill runs) before each layer, and every message carries the `ready` event of its buffers
+(`rekv_core.streams`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ from rekv_core import streams
 from rekv_core.codecs import get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
+from rekv_core.handoff.source import FinishedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
-from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS, Plan, layer_name, tensor_bytes
+from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name,
+                                    tensor_bytes)
 from rekv_core.model.executor import PrefillOutput
 from rekv_core.model.shapes import ModelShape
 from rekv_core.transport import Message, TransportSender
@@ -53,11 +56,14 @@ class SenderReport:
 
 
 def send_handoff(transport: TransportSender, request_id: str, action: Action, shape: ModelShape,
-                 token_ids: Sequence[int], state: PrefillOutput, flush_timeout: float = 60.0,
-                 key: bytes | None = None, transfer: Transfer | None = None,
-                 expect_ms: float = 0.0, hooks: SendHooks | None = None,
-                 encrypted: bool = False) -> SenderReport:
-    """`key`: the handoff's key from the decode side; every message is sealed with it (`seal`).
+                 token_ids: Sequence[int], state: PrefillOutput | PrefillSource,
+                 flush_timeout: float = 60.0, key: bytes | None = None,
+                 transfer: Transfer | None = None, expect_ms: float = 0.0,
+                 hooks: SendHooks | None = None, encrypted: bool = False,
+                 chunk_tokens: int = 0) -> SenderReport:
+    """`state`: a finished prefill, or a `PrefillSource` (`LivePrefill` streams).
+    `chunk_tokens`: the boundary's chunk size (`chunk_bounds`; 0: one message).
+    `key`: the handoff's key from the decode side; every message is sealed with it (`seal`).
     `transfer`: the handoff's state and deadline: a cancelled or late transfer stops before its
     next message, and the flush waits no longer than its deadline (without one: `flush_timeout`);
     it ends DONE or FAILED. `expect_ms`: the predicted handoff length the plan tells the
@@ -67,14 +73,12 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
     if encrypted and key is None:
         raise ValueError("encrypted: needs the handoff's key")
     transfer = transfer or Transfer(request_id, stall_s=flush_timeout)
-    device = state.keys[0].device if state.keys else None
-    stream = streams.side_stream(device)
-    streams.follow(stream, device)
+    source = FinishedPrefill(state, action.cut) if isinstance(state, PrefillOutput) else state
+    stream = streams.side_stream(source.device)
+    plan = Plan.of(action, shape, len(token_ids), expect_ms, source.streamed, chunk_tokens)
     try:
-        with streams.on_stream(stream):
-            report = _send(action, shape, token_ids, state,
-                           _Posting(transport, request_id, transfer, key, hooks, encrypted),
-                           expect_ms)
+        report = _send(plan, token_ids, source, stream,
+                       _Posting(transport, request_id, transfer, key, hooks, encrypted))
     except BaseException as exc:
         transfer.fail(f"{type(exc).__name__}: {exc}")
         try:  # give up whatever was posted: nothing stays queued for a failed handoff
@@ -124,33 +128,48 @@ class _Posting:
         self.transport.flush(self.request_id, self.transfer.wait_s())
 
 
-def _send(action: Action, shape: ModelShape, token_ids: Sequence[int], state: PrefillOutput,
-          send: _Posting, expect_ms: float) -> SenderReport:
-    seq_len = len(token_ids)
+def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
+          send: _Posting) -> SenderReport:
+    action = plan.action
     sent = WireBytes()
-    send(PLAN, Plan.of(action, shape, seq_len, expect_ms).to_bytes())
+    send(PLAN, plan.to_bytes())
     if action.cut == 0:
         ids = torch.tensor(list(token_ids), dtype=torch.int32)
         send(TOKENS, buffers={"ids": tensor_bytes(ids)}, state=TransferState.BOUNDARY)
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
-    elif action.sends_boundary:
-        h_c = state.hidden[action.cut].to(torch.bfloat16)
-        send(BOUNDARY, buffers={"h": tensor_bytes(h_c)}, state=TransferState.BOUNDARY)
-        sent += WireBytes(boundary=h_c.numel() * BF16_BYTES)
+    elif action.sends_boundary and not source.streamed:
+        sent += _send_boundary(plan, source, stream, send)
 
     codec = get_codec(action.codec)
     quantize = 0.0
-    for index in action.prefix_layers:
+    for layer in source.layers():
+        streams.follow(stream, source.device)  # after the compute that produced the layer
         start = time.perf_counter()
-        encoded = codec.encode(state.keys[index], state.values[index])
+        with streams.on_stream(stream):
+            encoded = codec.encode(layer.keys, layer.values)
         quantize += time.perf_counter() - start
-        send(layer_name(index), encoded.header_bytes(), encoded.buffers,
+        send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
              state=TransferState.PREFIX)
         sent += split_layer_bytes(encoded.header()["buffers"])
 
+    if action.sends_boundary and source.streamed:
+        sent += _send_boundary(plan, source, stream, send)
     if action.cut == action.num_layers:
-        head = state.hidden[action.num_layers][-1].to(torch.bfloat16)
+        streams.follow(stream, source.device)
+        with streams.on_stream(stream):
+            head = source.head().to(torch.bfloat16)
         send(HEAD, buffers={"h": tensor_bytes(head)})
         sent += WireBytes(head=head.numel() * BF16_BYTES)
     send.flush()
     return SenderReport(quantize_seconds=quantize, bytes=sent)
+
+
+def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting) -> WireBytes:
+    """h_c in BF16, one message per chunk of rows (`Plan.boundary_chunks`)."""
+    streams.follow(stream, source.device)
+    with streams.on_stream(stream):
+        h_c = source.boundary().to(torch.bfloat16)
+    state = None if plan.streamed else TransferState.BOUNDARY
+    for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
+        send(boundary_name(chunk), buffers={"h": tensor_bytes(h_c[s0:s1])}, state=state)
+    return WireBytes(boundary=h_c.numel() * BF16_BYTES)

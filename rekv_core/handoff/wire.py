@@ -1,10 +1,17 @@
 """Message names and the plan header of one handoff on the transport.
 
 A handoff is, in sequence order: `plan` (JSON header: action, prompt length, model dimensions,
-the sender's prediction of the handoff's length, from which the receiver sets its deadline);
-then `tokens` (token-only), or `boundary` (h_c, BF16) for an interior cut, or nothing extra for
-transfer-only; then `layer.0` … `layer.{c-1}` (an encoded layer each: codec header + buffers); and
-last, for transfer-only, `head` (the final hidden state of the last position, BF16).
+the sender's prediction of the handoff's length, from which the receiver sets its deadline, whether
+it is streamed, and the boundary's chunk size); then `tokens` (token-only), or for an interior cut
+the boundary h_c (BF16) in token chunks: `boundary` (rows of the first chunk), `boundary.1`, …
+(`chunk_bounds`), or nothing extra for transfer-only; then `layer.0` … `layer.{c-1}` (an encoded
+layer each: codec header + buffers); and last, for transfer-only, `head` (the final hidden state of
+the last position, BF16).
+
+A streamed handoff (`Plan.streamed`) is sent while the prefill runs: each layer as soon as the
+prefill has computed it, so the boundary chunks come after the prefix layers (the prefill has h_c
+only once it has computed layer c−1); a receiver takes each kind in its own order and the kinds in
+any order.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rekv_core.handoff.action import Action
+from rekv_core.model.executor import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.shapes import ModelShape
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
@@ -23,6 +31,10 @@ PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
 
 def layer_name(index: int) -> str:
     return f"layer.{index}"
+
+
+def boundary_name(chunk: int) -> str:
+    return BOUNDARY if chunk == 0 else f"{BOUNDARY}.{chunk}"
 
 
 @dataclass(frozen=True)
@@ -35,8 +47,16 @@ class Plan:
     num_kv_heads: int
     head_dim: int
     expect_ms: float = 0.0  # the sender's prediction of the handoff's length; 0: none
+    streamed: bool = False  # sent layer by layer while the prefill ran
+    chunk_tokens: int = 0  # the boundary's chunk size (a multiple of EXEC_BLOCK); 0: one chunk
 
     def __post_init__(self) -> None:
+        if not isinstance(self.streamed, bool):
+            raise ValueError(f"plan: streamed must be true or false, got {self.streamed!r}")
+        if type(self.chunk_tokens) is not int or self.chunk_tokens < 0 or (
+                self.chunk_tokens % EXEC_BLOCK):
+            raise ValueError(f"plan: chunk_tokens must be a multiple of {EXEC_BLOCK}, got "
+                             f"{self.chunk_tokens!r}")
         for name in ("cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
@@ -47,9 +67,17 @@ class Plan:
             raise ValueError(f"plan: expect_ms must be finite and >= 0, got {self.expect_ms!r}")
 
     @classmethod
-    def of(cls, action: Action, shape: ModelShape, seq_len: int, expect_ms: float = 0.0) -> Plan:
+    def of(cls, action: Action, shape: ModelShape, seq_len: int, expect_ms: float = 0.0,
+           streamed: bool = False, chunk_tokens: int = 0) -> Plan:
         return cls(action.codec, action.cut, action.num_layers, seq_len, shape.hidden_size,
-                   shape.num_kv_heads, shape.head_dim, expect_ms)
+                   shape.num_kv_heads, shape.head_dim, expect_ms, streamed, chunk_tokens)
+
+    @property
+    def boundary_chunks(self) -> list[tuple[int, int]]:
+        """Row ranges of the boundary's chunks; none unless the cut is interior."""
+        if not 0 < self.cut < self.num_layers:
+            return []
+        return chunk_bounds(self.seq_len, self.chunk_tokens)
 
     @property
     def action(self) -> Action:

@@ -14,8 +14,17 @@ The three operations the handoff needs:
   graph replay, `static_decode`).
 
 `iter_layers` yields layer by layer, so a caller can stream a layer's KV while later layers still
-compute, or stop early at a cut. Shapes: h `[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits
-`[vocab]` in float32.
+compute, or stop early at a cut. `run_layers_chunk(model, h, start, pos, cache)` runs layers
+[start, L) for the rows [pos, pos + n) of a boundary state, attending to the earlier rows' K and V
+in `cache` (chunked prefill over the suffix).
+
+Every kernel of a layer runs over blocks of `EXEC_BLOCK` positions, aligned to multiples of it:
+each linear layer on one block of rows at a time, causal attention one block of queries at a time
+(block [b0, b1) attends to keys [0, b1)). So a suffix run in chunks whose starts are multiples of
+the block issues exactly the kernels the unchunked run issues, and its K, V and logits are
+bit-identical to it (`chunk_bounds` gives such chunks), whatever a BLAS library does with the
+number of rows it is given. It costs a few percent of a long prompt's prefill on the CPU. Shapes: h
+`[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits `[vocab]` in float32.
 """
 
 from __future__ import annotations
@@ -109,7 +118,7 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = model.shape
     s = x.shape[0]
-    q, k, v = F.linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
+    q, k, v = _linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
                                                    dim=-1)
     q = q.view(s, shape.num_heads, shape.head_dim)
     k = k.view(s, shape.num_kv_heads, shape.head_dim)
@@ -121,6 +130,56 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
     k = apply_rope(k.transpose(0, 1), cos, sin).contiguous()  # [n_kv, S, d_h]
     v = v.transpose(0, 1).contiguous()  # [n_kv, S, d_h]
     return q, k, v
+
+
+EXEC_BLOCK = 256  # positions per kernel call (rows of a linear layer, queries of attention)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+            ) -> torch.Tensor:
+    """`F.linear` over blocks of `EXEC_BLOCK` rows of x `[n, k]`."""
+    if x.shape[0] <= EXEC_BLOCK:
+        return F.linear(x, weight, bias)
+    return torch.cat([F.linear(x[i:i + EXEC_BLOCK], weight, bias)
+                      for i in range(0, x.shape[0], EXEC_BLOCK)])
+
+
+def chunk_bounds(seq_len: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """Row ranges [s0, s1) covering [0, seq_len) in chunks of `chunk_tokens` (a multiple of
+    `EXEC_BLOCK`; 0: one chunk); a tail shorter than a block joins the chunk before it."""
+    if chunk_tokens < 0 or chunk_tokens % EXEC_BLOCK:
+        raise ValueError(f"chunk_tokens: must be a multiple of {EXEC_BLOCK} (0: one chunk), "
+                         f"got {chunk_tokens}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len: must be positive, got {seq_len}")
+    if chunk_tokens == 0 or chunk_tokens >= seq_len:
+        return [(0, seq_len)]
+    starts = list(range(0, seq_len, chunk_tokens))
+    if len(starts) > 1 and seq_len - starts[-1] < EXEC_BLOCK:
+        starts.pop()
+    return [(s0, starts[i + 1] if i + 1 < len(starts) else seq_len)
+            for i, s0 in enumerate(starts)]
+
+
+def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int = 0
+                   ) -> torch.Tensor:
+    """q `[n_h, n, d_h]` at positions [pos, pos + n), k and v `[n_kv, pos + n, d_h]`: causal
+    attention one `EXEC_BLOCK` of query positions at a time (the first block with the
+    kernel's causal flag, the others with a mask over keys [0, b1)) -> `[n, n_h*d_h]`."""
+    end = pos + q.shape[1]
+    outs = []
+    b0 = pos
+    while b0 < end:
+        b1 = min(end, (b0 // EXEC_BLOCK + 1) * EXEC_BLOCK)
+        rows = q[:, b0 - pos:b1 - pos]
+        if b0 == 0:
+            outs.append(_attend(rows, k[:, :b1], v[:, :b1], is_causal=True))
+        else:
+            mask = (torch.arange(b1, device=q.device)[None, :]
+                    <= torch.arange(b0, b1, device=q.device)[:, None])
+            outs.append(_attend(rows, k[:, :b1], v[:, :b1], mask=mask))
+        b0 = b1
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
@@ -140,31 +199,34 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool =
 
 
 def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, lw.w_gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, lw.w_down)
+    gate, up = _linear(x, lw.w_gate_up).chunk(2, dim=-1)
+    return _linear(F.silu(gate) * up, lw.w_down)
 
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           store: KVStore | None = None, mask: torch.Tensor | None = None
+           store: KVStore | None = None, mask: torch.Tensor | None = None,
+           causal_from: int | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one transformer layer body: attention, then MLP, each around a residual.
 
     Without a `store` the n positions of h `[n, d]` attend to each other causally (prefill, suffix
     recompute). With one, `store(index, K, V)` keeps the new K and V in a cache and returns the
-    keys and values to attend to, through `mask` `[n, keys]` (True: attend), or to all of them
-    when it is None. Returns h_out, K, V `[n_kv, n, d_h]`."""
+    keys and values to attend to: causally (`_attend_causal`) when `causal_from` gives the first
+    position of h, else through `mask` `[n, keys]` (True: attend), or to all of them when it is
+    None. Returns h_out, K, V `[n_kv, n, d_h]`."""
     lw = model.weights.layers[index]
     eps = model.shape.rms_eps
     q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
     if store is None:
-        out = _attend(q, k, v, is_causal=True)
+        out = _attend_causal(q, k, v)
     else:
         k_all, v_all = store(index, k, v)
-        out = _attend(q, k_all, v_all, mask=mask)
-    h = h + F.linear(out, lw.wo)
+        out = (_attend_causal(q, k_all, v_all, causal_from) if causal_from is not None
+               else _attend(q, k_all, v_all, mask=mask))
+    h = h + _linear(out, lw.wo)
     h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
     return h, k, v
 
@@ -257,6 +319,28 @@ def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
         values.append(step.values)
         h = step.hidden_out
     return SuffixOutput(start=start, keys=keys, values=values, logits=final_logits(model, h[-1]))
+
+
+@torch.inference_mode()
+def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache: KVCache
+                     ) -> torch.Tensor:
+    """Run layers [start, L) for the boundary rows [pos, pos + n) in `h` `[n, d]`, attending to the
+    K and V of rows [0, pos) already in `cache`; writes this chunk's K and V there and returns the
+    final residual states `[n, d]`. `pos` must be a multiple of `EXEC_BLOCK` (`chunk_bounds`)."""
+    if pos % EXEC_BLOCK:
+        raise ValueError(f"pos: must be a multiple of {EXEC_BLOCK}, got {pos}")
+    n = h.shape[0]
+    if pos + n > cache.capacity:
+        raise ValueError(f"cache: rows [{pos}, {pos + n}) exceed its capacity of {cache.capacity}")
+    cos, sin = model.rope(torch.arange(pos, pos + n, device=h.device))
+
+    def store(index: int, k: torch.Tensor, v: torch.Tensor):
+        cache.write(index, pos, k, v)
+        return cache.layer(index, pos + n)
+
+    for step in range(start, model.shape.num_layers):
+        h, _, _ = _layer(model, step, h, cos, sin, store, causal_from=pos)
+    return h
 
 
 def _append(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCache

@@ -1,0 +1,160 @@
+"""The decode side's reading of one handoff's messages, on a thread of its own.
+
+`Inbound` takes a request's messages in sequence order, each opened with the handoff's key and
+decrypted when the handoff is encrypted (`seal`), keeping their arrivals for the link estimate.
+`Incoming` reads every message after the plan: it restores the prefix layers into the cache in
+layer order (on CUDA on a stream of its own), hands the boundary's chunks to the suffix in chunk
+order (`next_chunk`), and keeps the head; the kinds may come in any order (a streamed handoff sends
+the prefix first). Any other message, a second copy, or one out of its kind's order is a
+`TransportError`. `run()` never raises: a failure is kept in `error`, and a suffix waiting for a
+chunk is woken with it.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import torch
+
+from rekv_core import streams
+from rekv_core.codecs import EncodedKV, get_codec
+from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
+from rekv_core.handoff.seal import check_checksums, decrypt, open_message
+from rekv_core.handoff.transfer import Transfer
+from rekv_core.handoff.wire import HEAD, boundary_name, layer_name
+from rekv_core.model.cache import KVCache
+from rekv_core.model.executor import Model
+from rekv_core.transport import Message, TransportError, TransportReceiver
+from rekv_core.transport.arrivals import Arrival, link_sample
+from rekv_core.units import BF16_BYTES
+
+
+class Inbound:
+    def __init__(self, transport: TransportReceiver, request_id: str, transfer: Transfer,
+                 key: bytes | None, encrypted: bool = False):
+        self.transport, self.request_id, self.transfer = transport, request_id, transfer
+        self.key, self.encrypted = key, encrypted
+        self.arrivals: list[Arrival] = []
+
+    def next(self) -> Message:
+        message = open_message(self.key, self.transport.recv(self.request_id,
+                                                             self.transfer.wait_s()))
+        if self.encrypted:
+            message = decrypt(self.key, message)
+        if message.arrival is not None:
+            self.arrivals.append(message.arrival)
+        return message
+
+    def expect(self, name: str) -> Message:
+        message = self.next()
+        if message.name != name:
+            raise TransportError(f"request {self.request_id}: expected {name!r}, "
+                                 f"got {message.name!r}")
+        return message
+
+    def link_sample(self, before: float | None = None) -> tuple[int, float] | None:
+        """From the messages that had landed by `before` (all of them when None)."""
+        return link_sample([a for a in self.arrivals if before is None or a.completed <= before])
+
+
+def bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
+    """The message's `h` buffer as a BF16 tensor of `shape`, checked, in the model's dtype."""
+    buf = message.buffers.get("h")
+    expected = int(torch.Size(shape).numel()) * BF16_BYTES
+    if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
+        got = None if buf is None else buf.numel()
+        raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
+    streams.wait_ready(message.ready, [buf])
+    check_checksums(message)
+    return buf.view(torch.bfloat16).reshape(shape).to(model.device, model.dtype)
+
+
+def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    # non-blocking only towards a device: a copy to the host must have landed before it is read
+    return {name: b.to(device, non_blocking=device.type == "cuda") for name, b in buffers.items()}
+
+
+class Incoming:
+    def __init__(self, model: Model, inbound: Inbound, action: Action, S: int, cache: KVCache,
+                 chunks: int, started: float):
+        self.model, self.inbound, self.action, self.cache = model, inbound, action, cache
+        self.codec = get_codec(action.codec)
+        self.kv_shape = (model.shape.num_kv_heads, S, model.shape.head_dim)
+        self.num_chunks = chunks
+        self.bytes = WireBytes()
+        self.error: BaseException | None = None
+        self.done = started  # the prefix restored
+        self.decoding_began: float | None = None  # the first restore that computes
+        self.head: Message | None = None
+        self._chunks: queue.Queue[Message | None] = queue.Queue()
+        self.cuda = model.device.type == "cuda"
+        self.stream = streams.side_stream(model.device)
+        streams.follow(self.stream, model.device)  # the cache is allocated and zeroed first
+        self.ready = torch.cuda.Event() if self.cuda else None
+
+    def run(self) -> None:
+        try:
+            with streams.on_stream(self.stream):
+                self._receive_all()
+                if self.cuda:
+                    self.ready.record(self.stream)
+        except BaseException as exc:  # re-raised on the calling thread after the join
+            self.error = exc
+            self._chunks.put(None)
+        finally:
+            streams.settle(self.stream)  # even after a failure nothing may write into the cache
+        if self.error is not None:
+            self.done = time.perf_counter()
+
+    def next_chunk(self, index: int) -> Message:
+        """The boundary's chunk `index` (in order), waiting within the transfer's limits."""
+        try:
+            message = self._chunks.get(timeout=max(0.0, self.inbound.transfer.wait_s()))
+        except queue.Empty:
+            raise TimeoutError(f"transfer {self.inbound.request_id}: boundary chunk {index} "
+                               f"did not arrive in time") from None
+        if message is None:
+            self._chunks.put(None)  # for a later call
+            raise self.error
+        return message
+
+    def _receive_all(self) -> None:
+        c, L = self.action.cut, self.action.num_layers
+        layer = chunk = 0
+        for _ in range(c + self.num_chunks + (c == L)):
+            message = self.inbound.next()
+            if layer < c and message.name == layer_name(layer):
+                self._restore(layer, message)
+                layer += 1
+                if layer == c:
+                    self.done = time.perf_counter()
+            elif chunk < self.num_chunks and message.name == boundary_name(chunk):
+                self._chunks.put(message)
+                chunk += 1
+            elif message.name == HEAD and c == L and layer == c:
+                self.head = message
+            else:
+                raise TransportError(f"request {self.inbound.request_id}: unexpected message "
+                                     f"{message.name!r} (after {layer} of {c} layers and "
+                                     f"{chunk} of {self.num_chunks} boundary chunks)")
+
+    def _restore(self, index: int, message: Message) -> None:
+        streams.wait_ready(message.ready, message.buffers.values())
+        encoded = EncodedKV.from_wire(message.header,
+                                      _on_device(message.buffers, self.model.device))
+        if tuple(encoded.shape) != self.kv_shape:
+            raise TransportError(f"{message.name}: shape {encoded.shape}, "
+                                 f"expected {self.kv_shape}")
+        if self.decoding_began is None and not self.codec.restore_is_copy:
+            self.decoding_began = time.perf_counter()
+        k, v = self.codec.decode(encoded)
+        self.cache.write(index, 0, k.to(self.model.dtype), v.to(self.model.dtype))
+        self.bytes += split_layer_bytes(encoded.header()["buffers"])
+
+    def join_compute_stream(self) -> None:
+        """On CUDA: the compute stream waits for every restore before the cache is used."""
+        if self.cuda:
+            stream = torch.cuda.current_stream(self.model.device)
+            stream.wait_event(self.ready)
+            stream.synchronize()

@@ -1,0 +1,110 @@
+"""What a handoff sends, as the prefill produces it.
+
+A `PrefillSource` gives the sender the prefix layers' K and V in layer order (`layers()`), then the
+boundary h_c (`boundary()`, for an interior cut) and, for transfer-only, the last position's final
+hidden state (`head()`); the latter two only once `layers()` is exhausted.
+
+- `FinishedPrefill(state, cut)`: from a `PrefillOutput` that ran every layer (the seed's schedule:
+  the handoff starts once the prefill is done, and the boundary goes first).
+- `LivePrefill(model, token_ids, cut)`: runs the prefill one layer at a time as the sender asks for
+  the next one, so layer i is encoded and on the wire while layer i+1 computes, and stops at the
+  cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). Its
+  compute runs on the caller's current stream; a sender that encodes on a stream of its own waits
+  for that stream per layer. `on_done` is called once, when the last layer is computed or the
+  source is closed, whichever is first (the prefill service releases its compute lock there), and
+  `compute_s` is the compute's time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rekv_core.model.executor import Model, PrefillOutput, embed, iter_layers
+
+
+@dataclass(frozen=True)
+class ProducedLayer:
+    index: int
+    keys: torch.Tensor  # [n_kv, S, d_h]
+    values: torch.Tensor
+
+
+class PrefillSource(Protocol):
+    streamed: bool
+    device: torch.device
+
+    def layers(self) -> Iterator[ProducedLayer]: ...
+
+    def boundary(self) -> torch.Tensor: ...
+
+    def head(self) -> torch.Tensor: ...
+
+
+class FinishedPrefill:
+    streamed = False
+
+    def __init__(self, state: PrefillOutput, cut: int):
+        self.state, self.cut = state, cut
+        self.device = state.keys[0].device if state.keys else torch.device("cpu")
+
+    def layers(self) -> Iterator[ProducedLayer]:
+        for index in range(self.cut):
+            yield ProducedLayer(index, self.state.keys[index], self.state.values[index])
+
+    def boundary(self) -> torch.Tensor:
+        return self.state.hidden[self.cut]
+
+    def head(self) -> torch.Tensor:
+        return self.state.hidden[len(self.state.keys)][-1]
+
+
+class LivePrefill:
+    streamed = True
+
+    def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
+                 on_done: Callable[[], None] | None = None):
+        if not 0 <= cut <= model.shape.num_layers:
+            raise ValueError(f"cut: must lie in [0, {model.shape.num_layers}], got {cut}")
+        self.model, self.token_ids, self.cut = model, token_ids, cut
+        self.device = model.device
+        self.compute_s = 0.0
+        self._on_done = on_done
+        self._h: torch.Tensor | None = None
+
+    def layers(self) -> Iterator[ProducedLayer]:
+        model = self.model
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                h = embed(model, self.token_ids) if self.cut else None
+                if self.cut:
+                    for step in iter_layers(model, h, 0, self.cut):
+                        self.compute_s += time.perf_counter() - started
+                        yield ProducedLayer(step.index, step.keys, step.values)
+                        started = time.perf_counter()
+                        h = step.hidden_out
+            self._h = h
+            if model.device.type == "cuda":
+                torch.cuda.current_stream(model.device).synchronize()
+            self.compute_s += time.perf_counter() - started
+        finally:
+            self.close()
+
+    def boundary(self) -> torch.Tensor:
+        if self._h is None:
+            raise RuntimeError("boundary: the prefill has not reached the cut")
+        return self._h
+
+    def head(self) -> torch.Tensor:
+        return self.boundary()[-1]
+
+    def close(self) -> None:
+        """Call `on_done` if it was not yet called (idempotent)."""
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()

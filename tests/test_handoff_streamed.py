@@ -1,0 +1,183 @@
+"""Streamed handoffs, partial prefill and the chunked boundary.
+
+A suffix run one boundary chunk at a time is bit-identical to the unchunked run; a handoff sent
+from inside the prefill (`LivePrefill`) computes only the layers below the cut and rebuilds the
+same cache and first-token logits as a finished prefill's handoff, for every kind of action and
+chunk size; the prefill's compute lock is released exactly once, even when the send fails; the
+receiver refuses messages out of their kind's order."""
+
+import threading
+
+import pytest
+import torch
+
+from rekv_core.codecs import get_codec
+from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff.source import LivePrefill
+from rekv_core.handoff.transfer import Transfer, TransferCancelled
+from rekv_core.handoff.wire import Plan
+from rekv_core.model import KVCache, prefill, run_layers, run_layers_chunk
+from rekv_core.model import executor
+from rekv_core.model.executor import EXEC_BLOCK, chunk_bounds, final_logits
+from rekv_core.transport import TransportError
+from rekv_core.transport.inprocess import InProcessLink
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(700, 0) == [(0, 700)]
+    assert chunk_bounds(700, 256) == [(0, 256), (256, 700)]  # a tail under a block joins
+    assert chunk_bounds(1100, 256) == [(0, 256), (256, 512), (512, 768), (768, 1100)]
+    assert chunk_bounds(768, 256) == [(0, 256), (256, 512), (512, 768)]
+    assert chunk_bounds(100, 512) == [(0, 100)]
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        chunk_bounds(700, 100)
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        Plan.of(Action("bf16", 3, 30), executor_shape(), 700, chunk_tokens=300)
+
+
+def executor_shape():
+    from rekv_core.model import get_preset
+
+    return get_preset("smollm2-135m")
+
+
+def _ids(n, seed=0):
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("seq_len", [700, 1100])
+def test_chunked_suffix_is_bit_identical(smollm_fp32, smollm_bf16, dtype, seq_len):
+    model = smollm_fp32 if dtype == "fp32" else smollm_bf16
+    cut, L = 12, model.shape.num_layers
+    state = prefill(model, _ids(seq_len), boundaries={cut})
+    ref = run_layers(model, state.hidden[cut], cut)
+    for chunk in (EXEC_BLOCK, 2 * EXEC_BLOCK, 3 * EXEC_BLOCK):
+        cache = KVCache(L, model.shape.num_kv_heads, model.shape.head_dim, seq_len + 3,
+                        model.dtype)
+        for s0, s1 in chunk_bounds(seq_len, chunk):
+            h = run_layers_chunk(model, state.hidden[cut][s0:s1], cut, s0, cache)
+        assert torch.equal(final_logits(model, h[-1]), ref.logits), chunk
+        for j in range(L - cut):
+            assert torch.equal(cache.keys[cut + j][:, :seq_len], ref.keys[j]), (chunk, j)
+            assert torch.equal(cache.values[cut + j][:, :seq_len], ref.values[j]), (chunk, j)
+            # and the same as the prefill's own layers: the suffix is what the prefill computed
+            assert torch.equal(ref.keys[j], state.keys[cut + j])
+
+
+def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=None,
+              transfer=None):
+    source = LivePrefill(model, ids, action.cut, on_done=on_done)
+    with InProcessLink() as link:
+        link.receiver.open("r")
+        errors = []
+
+        def send():
+            try:
+                send_handoff(link.sender, "r", action, model.shape, ids, source,
+                             chunk_tokens=chunk_tokens, transfer=transfer)
+            except Exception as exc:  # noqa: BLE001 - surfaced by the test
+                errors.append(exc)
+            finally:
+                source.close()
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30)
+        finally:
+            sender.join()
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+    return source, result, errors
+
+
+@pytest.mark.parametrize("codec,cut,chunk", [
+    ("bf16", 30, 0), ("bf16", 11, 0), ("bf16", 11, 256), ("bf16", 1, 512), ("bf16", 0, 0),
+    ("int8", 11, 256), ("int8", 30, 0), ("int4", 29, 256)])
+def test_streamed_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk):
+    model = smollm_bf16  # BF16 on the wire is exact for a BF16 model
+    L = model.shape.num_layers
+    ids = _ids(520, seed=cut)  # two boundary chunks of 256
+    action = Action(codec, cut, L)
+    ref = prefill(model, ids)
+    for schedule in ("overlap", "sequential") if codec == "int8" and chunk else ("overlap",):
+        source, result, errors = _streamed(model, ids, action, chunk, schedule)
+        assert not errors
+        assert result.bytes == wire_bytes(action, model.shape, len(ids))
+        codec_ = get_codec(codec)
+        for layer in range(L):
+            k, v = result.cache.layer(layer)
+            if layer >= cut or codec_.lossless:
+                assert torch.equal(k, ref.keys[layer]) and torch.equal(v, ref.values[layer])
+            else:  # exactly what the codec makes of the prefill's layer
+                rk, rv = codec_.decode(codec_.encode(ref.keys[layer], ref.values[layer]))
+                assert torch.equal(k, rk.to(k.dtype)) and torch.equal(v, rv.to(v.dtype))
+        if cut == L or codec_.lossless or cut == 0:
+            assert torch.equal(result.logits, ref.logits)
+        if 0 < cut < L:
+            assert result.timings.r_s > 0
+
+
+def test_partial_prefill_computes_only_the_layers_below_the_cut(smollm_fp32, monkeypatch):
+    model = smollm_fp32
+    L = model.shape.num_layers
+    computed = []
+    layer = executor._layer
+
+    def counting(model_, index, *args, **kwargs):
+        if threading.current_thread().name == "rekv-test-sender":
+            computed.append(index)
+        return layer(model_, index, *args, **kwargs)
+
+    monkeypatch.setattr(executor, "_layer", counting)
+    for cut in (0, 7, L):
+        computed.clear()
+        released = []
+        source = LivePrefill(model, _ids(300), cut, on_done=lambda: released.append(1))
+        thread = threading.Thread(target=lambda: list(source.layers()), name="rekv-test-sender")
+        thread.start()
+        thread.join()
+        assert computed == list(range(cut)), cut
+        assert released == [1]
+        if 0 < cut:
+            assert torch.equal(source.boundary(), prefill(model, _ids(300), {cut}).hidden[cut])
+
+
+def test_the_compute_is_released_once_when_the_send_fails(smollm_fp32):
+    model = smollm_fp32
+    L = model.shape.num_layers
+    released = []
+    transfer = Transfer("r", stall_s=5)
+    transfer.cancel()
+    with pytest.raises(TransferCancelled):
+        with InProcessLink() as link:
+            link.receiver.open("r")
+            source = LivePrefill(model, _ids(200), 10, on_done=lambda: released.append(1))
+            try:
+                send_handoff(link.sender, "r", Action("int8", 10, L), model.shape, _ids(200),
+                             source, transfer=transfer)
+            finally:
+                source.close()
+                source.close()
+    assert released == [1]
+
+
+def test_messages_out_of_their_kinds_order_are_refused(smollm_fp32):
+    model = smollm_fp32
+    L = model.shape.num_layers
+    ids = _ids(300)
+    state = prefill(model, ids)
+
+    def swap_layers(message):  # layer.1 goes out as layer.0's successor twice
+        if message.name == "layer.2":
+            message.name = "layer.1"
+        return [message]
+
+    with InProcessLink(fault=swap_layers) as link:
+        link.receiver.open("r")
+        sender = threading.Thread(target=lambda: send_handoff(
+            link.sender, "r", Action("bf16", 5, L), model.shape, ids, state, chunk_tokens=256))
+        sender.start()
+        with pytest.raises(TransportError, match="unexpected message 'layer.1'"):
+            receive_handoff(model, link.receiver, "r", timeout=10)
+        sender.join()
