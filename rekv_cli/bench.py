@@ -1,5 +1,5 @@
-"""`rekv bench handoff` and `rekv bench link`: their flags, tables and JSON (the runs themselves are
-`rekv_core.bench.handoff` and `rekv_cli.linkbench`)."""
+"""`rekv bench handoff`, `rekv bench ttft` and `rekv bench link`: their flags, tables and JSON (the
+runs themselves are `rekv_core.bench.handoff`, `rekv_core.bench.ttft` and `rekv_cli.linkbench`)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ def add_bench_parser(sub) -> None:
     handoff.add_argument("--runs", type=int, default=10)
     handoff.add_argument("--json", metavar="FILE", help="also write meta, rows and summaries")
     handoff.set_defaults(func=cmd_bench_handoff)
+
+    add_ttft_parser(which)
 
     link = which.add_parser(
         "link", help="the two services across an emulated cross-node link (needs root)",
@@ -157,13 +159,89 @@ def print_results(results: dict) -> None:
     console.print(shared)
 
 
-def cmd_bench_link(args: argparse.Namespace) -> int:
+def add_ttft_parser(which) -> None:
+    ttft = which.add_parser(
+        "ttft", help="TTFT from arrival: P/D baseline, the seed's handoff, streamed, chunked, "
+                     "colocated",
+        description="Time to first token from the request's arrival over the throttled "
+                    "in-process link, five ways side by side: (a) full prefill then BF16 "
+                    "transfer, (b) full prefill then the seed's overlapped handoff, (c) the "
+                    "handoff streamed from inside a prefill that stops at the cut, (d) the same "
+                    "with the boundary in chunks, (e) a colocated prefill (the bound).")
+    ttft.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
+                      "the embedded smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
+    ttft.add_argument("--device", default=None, help="cpu, cuda or cuda:N (env REKV_DEVICE)")
+    ttft.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
+    ttft.add_argument("--threads", type=int, default=None,
+                      help="torch intra-op threads (env REKV_TORCH_THREADS; 0 = all cores)")
+    ttft.add_argument("--prompt-len", type=csv_of(int), default=[512, 1024],
+                      help="prompt lengths, comma-separated (default 512,1024)")
+    ttft.add_argument("--link-gbps", type=csv_of(str), default=["x1", "x4", "10"],
+                      help="link rates: Gb/s or xK, K times the balanced rate (default x1,x4,10)")
+    ttft.add_argument("--cuts", type=csv_of(int), default=None,
+                      help="cuts of the joint and recompute actions (default L/5..4L/5)")
+    ttft.add_argument("--codecs", type=csv_of(str), default=["int8"],
+                      help="prefix codecs of the joint actions besides BF16 (default int8)")
+    ttft.add_argument("--chunk-tokens", type=int, default=256,
+                      help="the boundary's chunk size for (d) (a multiple of 256; default 256)")
+    ttft.add_argument("--warmups", type=int, default=1, help="untimed rounds (default 1)")
+    ttft.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
+    ttft.add_argument("--json", metavar="FILE", help="also write meta, rows and points")
+    ttft.set_defaults(func=cmd_bench_ttft)
+
+
+def cmd_bench_ttft(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from rekv_core.bench.handoff import LinkRate
+    from rekv_core.bench.ttft import SCHEDULES, TtftConfig, run_ttft_bench
+    from rekv_core.codecs import get_codec
+    from rekv_core.model.executor import chunk_bounds
+    from rekv_core.settings import RuntimeSettings
+
+    if args.warmups < 0 or args.runs < 1:
+        raise ValueError("warmups/runs: need warmups >= 0 and runs >= 1")
+    if not args.prompt_len or min(args.prompt_len) < 1:
+        raise ValueError(f"prompt-len: need positive lengths, got {args.prompt_len}")
+    chunk_bounds(1, args.chunk_tokens)  # ValueError naming chunk_tokens
+    for codec in args.codecs:
+        get_codec(codec)
+    settings = RuntimeSettings.from_env(model=args.model, device=args.device, dtype=args.dtype,
+                                        torch_threads=args.threads)
+    threads = settings.apply_threads()
+    model = settings.load_model()
+    console = Console(stderr=True)
+    console.print(f"{model.shape.name}: {model.shape.num_layers} layers, {model.dtype}, "
+                  f"{model.device}, {threads} torch threads")
+    config = TtftConfig(prompt_lens=args.prompt_len,
+                        link_rates=[LinkRate.parse(t) for t in args.link_gbps], cuts=args.cuts,
+                        codecs=args.codecs, chunk_tokens=args.chunk_tokens,
+                        warmups=args.warmups, runs=args.runs,
+                        extra={"command": "rekv " + " ".join(sys.argv[1:])})
+    results = run_ttft_bench(model, config, progress=console.log)
+    table = Table(title="TTFT from arrival, best action of each schedule (median ms)")
+    for column in ("S", "link", "Gb/s", *SCHEDULES, "(d)/(e)", "(a)/(d)", "(b)/(d)"):
+        table.add_column(column, justify="right")
+    for p in results["points"]:
+        best = p["best"]
+        table.add_row(str(p["prompt_len"]), p["link"], f"{p['link_gbps']:.3g}",
+                      *(f"{best[s]['median_ms']:.0f} {best[s]['label'].partition(' ')[2]}"
+                        for s in SCHEDULES),
+                      f"{p['chunked_over_colocated']:.2f}", f"{p['baseline_over_chunked']:.2f}",
+                      f"{p['seed_over_chunked']:.2f}")
+    Console(width=180).print(table)
+    write_json(args.json, results, indent=1)
+    return 0
+
+
+def cmd_bench_link(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
     from rekv_cli.linkbench.report import plot
     from rekv_cli.linkbench.sweep import LinkBenchConfig, run_link_bench
+    from rekv_core.bench.handoff import LinkRate
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:

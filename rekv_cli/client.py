@@ -24,7 +24,9 @@ class Generation:
 
 def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
                      forced_action: tuple[str, int] | None = None,
-                     sampling: dict | None = None, stop_at_eos: bool | None = None):
+                     sampling: dict | None = None, stop_at_eos: bool | None = None,
+                     forced_schedule: tuple[bool, int] | None = None):
+    """`forced_action`: (codec, cut); `forced_schedule`: (streamed, boundary chunk tokens)."""
     request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
     if isinstance(prompt, str):
         request.text = prompt
@@ -36,16 +38,21 @@ def generate_request(request_id: str, prompt: str | Sequence[int], max_new_token
         request.sampling.CopyFrom(rekv_pb2.SamplingParams(**sampling))
     if stop_at_eos is not None:
         request.stop_at_eos = stop_at_eos
+    if forced_schedule is not None:
+        streamed, chunk = forced_schedule
+        request.forced_schedule.CopyFrom(rekv_pb2.Schedule(streamed=streamed,
+                                                           boundary_chunk_tokens=chunk))
     return request
 
 
 def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int],
              max_new_tokens: int, forced_action: tuple[str, int] | None = None,
              sampling: dict | None = None, stop_at_eos: bool | None = None,
-             timeout: float | None = 300.0) -> Generation:
+             timeout: float | None = 300.0,
+             forced_schedule: tuple[bool, int] | None = None) -> Generation:
     stub = rekv_pb2_grpc.DecodeStub(channel)
     request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
-                               stop_at_eos)
+                               stop_at_eos, forced_schedule)
     tokens, pieces, summary, count = [], [], None, 0
     for response in stub.Generate(request, timeout=timeout):
         count += 1

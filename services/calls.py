@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rekv_core.handoff import Action, WireBytes
+from rekv_core.handoff import Action, Schedule, WireBytes
 from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Ranked
@@ -26,6 +26,7 @@ class GenerateCall:
     sampling: SamplingParams
     forced_action: Action | None  # None: the planner chooses
     stop_at_eos: bool = True
+    forced_schedule: Schedule | None = None  # None: the workers' default
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class DecodeOffer:
     queue_depth: int
     handoffs_in_flight: int
     costs: DecodeCosts
+    accepts_streamed: bool = True  # it takes a streamed handoff
+    chunk_tokens: int = 0  # the boundary chunk size it asks for
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class HandoffCall:
     forced_action: Action | None
     handoff_key: bytes = b""  # drawn by the decode worker; seals every data-plane message
     encrypt: bool = False  # encrypt every data-plane buffer too (`seal.encrypt`)
+    forced_schedule: Schedule | None = None  # None: the prefill side decides from the offer
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,7 @@ class HandoffReply:
     link_gbps: float  # the link rate the planner used
     candidates: list[Ranked] = field(default_factory=list)
     queue_depth: int = 0  # the prefill worker's other handoffs, waiting or running, as it replied
+    schedule: Schedule = field(default_factory=Schedule)  # how the handoff was sent
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,7 @@ class HandoffReport:
     r_ms: float = 0.0
     j_ms: float = 0.0
     fallback_reason: str = ""  # set when the handoff failed and the prompt was recomputed here
+    schedule: Schedule | None = None  # how the handoff was sent (None: no handoff)
 
     @property
     def fallback(self) -> bool:

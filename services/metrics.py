@@ -95,7 +95,7 @@ class ServiceMetrics:
         self.join.observe(t.j_s)
         self._count(action, handoff.wire, bf16_bytes)
         if predicted_ms > 0:
-            self.prediction_error.observe(handoff.handoff_s * 1e3 / predicted_ms)
+            self.prediction_error.observe(handoff.timings.total_s * 1e3 / predicted_ms)
 
     def record_sent(self, action: Action, prefill_s: float, quantize_s: float, send_s: float,
                     wire: WireBytes, bf16_bytes: int) -> None:

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from rekv_core.codecs import codec_names
+from rekv_core.model.executor import chunk_bounds
 from rekv_core.model.shapes import DEFAULT_MODEL
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
@@ -91,6 +92,12 @@ class ServiceSettings:
     profile: str = ""  # `rekv profile` output; empty: measure a short profile at start
     policy: str = ""  # `rekv gate` output; empty: the policy shipped for the model, if any
     handoff_timeout_s: float = 60.0  # longest wait for one data-plane message
+    # prefill: send each handoff from inside the prefill, which stops at the cut, when the decode
+    # worker takes it (else the seed's schedule: a full prefill, then the handoff)
+    stream_handoff: bool = True
+    # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
+    # its layers on each chunk as it lands
+    boundary_chunk_tokens: int = 256
     # decode: when a handoff fails, recompute the prompt here ("recompute": the request still
     # completes) or end the call with UNAVAILABLE ("fail")
     on_handoff_failure: str = "recompute"
@@ -162,6 +169,7 @@ class ServiceSettings:
             raise ValueError(f"handoff_timeout_s: must be > 0, got {self.handoff_timeout_s}")
         if self.fault_hold_s < 0:
             raise ValueError(f"fault_hold_s: must be >= 0, got {self.fault_hold_s}")
+        chunk_bounds(1, self.boundary_chunk_tokens)  # ValueError naming boundary_chunk_tokens
         if self.prefill_refresh_s <= 0:
             raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
         self.runtime  # validates model, device and dtype

@@ -11,7 +11,7 @@ import logging
 import math
 
 from rekv_core.codecs import codec_names
-from rekv_core.handoff import Action, ActionKind, WireBytes
+from rekv_core.handoff import Action, ActionKind, Schedule, WireBytes
 from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
@@ -35,6 +35,18 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
 
 def action_to_proto(action: Action):
     return rekv_pb2.Action(codec=action.codec, cut=action.cut)
+
+
+def schedule_from_proto(message, field: str = "forced_schedule") -> Schedule:
+    try:
+        return Schedule(streamed=message.streamed, chunk_tokens=message.boundary_chunk_tokens)
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.boundary_{exc}") from None
+
+
+def schedule_to_proto(schedule: Schedule):
+    return rekv_pb2.Schedule(streamed=schedule.streamed,
+                             boundary_chunk_tokens=schedule.chunk_tokens)
 
 
 def wire_bytes_to_proto(wire: WireBytes):
@@ -72,7 +84,9 @@ def generate_call(request, num_layers: int) -> GenerateCall:
         text=request.text if which == "text" else None,
         token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
         max_new_tokens=request.max_new_tokens, sampling=sampling, forced_action=forced,
-        stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True)
+        stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
+        forced_schedule=(schedule_from_proto(request.forced_schedule)
+                         if request.HasField("forced_schedule") else None))
 
 
 def token_response(token: int, text: str):
@@ -90,6 +104,8 @@ def summary_response(done: Completion):
         measured_handoff_ms=h.measured_ms, fallback=h.fallback, fallback_reason=h.fallback_reason,
         timings=rekv_pb2.HandoffTimings(prefill_ms=h.prefill_ms, q_ms=h.q_ms, h_ms=h.h_ms,
                                         x_ms=h.x_ms, r_ms=h.r_ms, j_ms=h.j_ms))
+    if h.schedule is not None:
+        summary.schedule.CopyFrom(schedule_to_proto(h.schedule))
     return rekv_pb2.GenerateResponse(summary=summary)
 
 
@@ -113,9 +129,12 @@ def handoff_request(call: HandoffCall):
             message_ms=costs.message_ms, link_gbps=costs.link_gbps,
             measured_over_model={kind.value: ratio
                                  for kind, ratio in costs.evidence.over_model.items()},
-            measured=measured))
+            measured=measured, accepts_streamed=offer.accepts_streamed,
+            boundary_chunk_tokens=offer.chunk_tokens))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
+    if call.forced_schedule is not None:
+        request.forced_schedule.CopyFrom(schedule_to_proto(call.forced_schedule))
     request.handoff_key = call.handoff_key
     request.encrypt_data_plane = call.encrypt
     return request
@@ -150,14 +169,19 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
         evidence=_evidence(offer, num_layers))
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
+    chunk = schedule_from_proto(rekv_pb2.Schedule(
+        boundary_chunk_tokens=offer.boundary_chunk_tokens), "offer").chunk_tokens
     return HandoffCall(
         request_id=request.request_id, transfer_id=request.transfer_id,
         token_ids=list(request.token_ids), forced_action=forced,
         handoff_key=bytes(request.handoff_key), encrypt=request.encrypt_data_plane,
+        forced_schedule=(schedule_from_proto(request.forced_schedule)
+                         if request.HasField("forced_schedule") else None),
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,
-                          handoffs_in_flight=offer.handoffs_in_flight, costs=costs))
+                          handoffs_in_flight=offer.handoffs_in_flight, costs=costs,
+                          accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk))
 
 
 def _check_data_plane_address(address: str) -> None:
@@ -211,7 +235,7 @@ def handoff_response(reply: HandoffReply):
                     for p, ms in reply.candidates],
         prefill_ms=reply.prefill_ms, q_ms=reply.q_ms, send_ms=reply.send_ms,
         bytes=wire_bytes_to_proto(reply.bytes), link_gbps_estimate=reply.link_gbps,
-        queue_depth=reply.queue_depth)
+        queue_depth=reply.queue_depth, schedule=schedule_to_proto(reply.schedule))
 
 
 def handoff_reply(response, num_layers: int) -> HandoffReply:
@@ -224,4 +248,5 @@ def handoff_reply(response, num_layers: int) -> HandoffReply:
         q_ms=_amount(response.q_ms, "q_ms"), send_ms=_amount(response.send_ms, "send_ms"),
         bytes=_wire_bytes_from_proto(response.bytes),
         link_gbps=_amount(response.link_gbps_estimate, "link_gbps_estimate"),
-        queue_depth=response.queue_depth)
+        queue_depth=response.queue_depth, schedule=schedule_from_proto(response.schedule,
+                                                                       "schedule"))

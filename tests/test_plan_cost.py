@@ -93,3 +93,51 @@ def test_restore_is_charged_per_codec():
         action = Action(codec, 12, L)
         extra = predict(action, cheap_int4).x_ms - predict(action, free).x_ms
         assert extra == pytest.approx(per_mib * layer_mib * 12)
+
+
+def _streamed(gbps, gamma=2.0, gamma_p=2.0, S=2048, chunk=0, **kwargs):
+    return dataclasses.replace(_inputs(gbps, gamma, S), prefill_ms_per_layer=gamma_p,
+                               streamed=True, chunk_tokens=chunk, **kwargs)
+
+
+def test_streamed_prediction_counts_only_the_layers_below_the_cut():
+    inputs = _streamed(1.0)
+    token = predict(Action.token_only(L), inputs)
+    assert token.prefill_ms == 0 and token.total_ms == pytest.approx(token.h_ms + L * 2.0 + 1.0)
+    joint = predict(Action("int8", 10, L), inputs)
+    assert joint.prefill_ms == 10 * 2.0 and joint.r_ms == 20 * 2.0
+    # the prefill of c layers, the boundary behind the prefix, then the suffix, then the join
+    assert joint.total_ms >= 10 * 2.0 + joint.r_ms + 1.0
+    seed = predict(Action("int8", 10, L), dataclasses.replace(inputs, streamed=False))
+    assert seed.prefill_ms == L * 2.0
+
+
+@pytest.mark.parametrize("gbps", [0.05, 0.4, 1.0, 10.0, 400.0])
+def test_streaming_never_predicts_worse_than_the_seeds_schedule(gbps):
+    streamed, seed = _streamed(gbps), dataclasses.replace(_streamed(gbps), streamed=False)
+    for action in [Action.token_only(L), Action.full_bf16(L), Action("int8", L, L)] + [
+            Action(codec, c, L) for codec in ("bf16", "int8") for c in (1, 10, 20, 29)]:
+        assert predict(action, streamed).total_ms <= predict(action, seed).total_ms + 1e-9
+
+
+def test_a_chunked_boundary_takes_the_boundary_off_the_critical_path():
+    # a slow link, where the whole boundary's wire time is long beside one chunk's
+    action = Action("int8", 10, L)
+    whole = predict(action, _streamed(0.4))
+    chunked = predict(action, _streamed(0.4, chunk=256))
+    boundary_ms = 2048 * SHAPE.hidden_size * 2 / (0.4e9 / 8 / 1e3)
+    # the first chunk lands 7/8 of the boundary's wire time earlier, and the suffix starts then
+    assert whole.h_ms - chunked.h_ms == pytest.approx(boundary_ms * 7 / 8, rel=0.01)
+    assert chunked.total_ms < whole.total_ms
+
+
+def test_the_reported_loads_move_the_work_to_the_idle_pool():
+    inputs = _streamed(1.0, gamma=20.0, gamma_p=20.0)
+    idle = choose(inputs, ["int8"])
+    busy_prefill = sorted(choose(dataclasses.replace(inputs, prefill_queue=8), ["int8"]),
+                          key=lambda p: p.total_ms + p.load_ms)[0]
+    busy_decode = sorted(choose(dataclasses.replace(inputs, decode_queue=8), ["int8"]),
+                         key=lambda p: p.total_ms + p.load_ms)[0]
+    assert busy_prefill.action.cut < idle[0].action.cut or busy_prefill.action.cut == 0
+    assert busy_decode.action.cut > busy_prefill.action.cut
+    assert busy_prefill.load_ms == 8 * busy_prefill.prefill_ms

@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from rekv_core.codecs import BASELINE_CODEC, get_codec
+from rekv_core.model.executor import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -84,6 +85,28 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers})"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How a handoff is sent. `streamed`: from inside the prefill, each prefix layer as soon as it
+    is computed, the prefill stopping at the cut; else after a prefill of every layer, the
+    boundary first (the seed's). `chunk_tokens`: the boundary in chunks of that many tokens (a
+    multiple of `EXEC_BLOCK`), each of which the decode side starts on at once; 0: one message."""
+
+    streamed: bool = True
+    chunk_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        chunk_bounds(1, self.chunk_tokens)  # ValueError naming chunk_tokens
+
+    @classmethod
+    def seed(cls) -> Schedule:
+        return cls(streamed=False, chunk_tokens=0)
+
+    def __str__(self) -> str:
+        how = "streamed" if self.streamed else "after_prefill"
+        return f"{how}/chunk{self.chunk_tokens}" if self.chunk_tokens else how
 
 
 @dataclass(frozen=True)

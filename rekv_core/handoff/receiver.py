@@ -68,6 +68,7 @@ class HandoffResult:
     timings: HandoffTimings = field(default_factory=HandoffTimings)
     bytes: WireBytes = field(default_factory=WireBytes)
     link_sample: tuple[int, float] | None = None  # (bytes, seconds)
+    streamed: bool = False  # the plan's: sent from inside the prefill
 
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
@@ -121,8 +122,11 @@ def _receive(model: Model, inbound: Inbound, schedule: str, extra_capacity: int,
         raise TransportError(f"plan: a prompt of {S} tokens, expected "
                              f"{cache.capacity - extra_capacity}")
     if plan.action.cut == 0:
-        return _recompute_prompt(model, inbound, plan.action, S, cache, start)
-    return _restore_and_recompute(model, inbound, schedule, plan, cache, start)
+        result = _recompute_prompt(model, inbound, plan.action, S, cache, start)
+    else:
+        result = _restore_and_recompute(model, inbound, schedule, plan, cache, start)
+    result.streamed = plan.streamed
+    return result
 
 
 def _recompute_prompt(model: Model, inbound: Inbound, action: Action, S: int, cache: KVCache,

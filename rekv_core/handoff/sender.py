@@ -31,8 +31,7 @@ from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
 from rekv_core.handoff.source import FinishedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
-from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name,
-                                    tensor_bytes)
+from rekv_core.handoff.wire import HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name, tensor_bytes
 from rekv_core.model.executor import PrefillOutput
 from rekv_core.model.shapes import ModelShape
 from rekv_core.transport import Message, TransportSender

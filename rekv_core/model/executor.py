@@ -29,10 +29,9 @@ number of rows it is given. It costs a few percent of a long prompt's prefill on
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
-
-import math
 
 import torch
 import torch.nn.functional as F

@@ -73,7 +73,8 @@ class HandoffObservation:
     wire: WireBytes  # received
     link_sample: tuple[int, float] | None  # (bytes, seconds), see `HandoffResult`
     prefill_s: float  # the prefill worker's compute, from its response
-    modelled_ms: float  # eq. 9's prediction of this action, from the prefill worker
+    modelled_ms: float  # the cost model's prediction of this action, from the prefill worker
+    streamed: bool = False  # sent from inside the prefill (its prefix came before the boundary)
 
     @property
     def handoff_s(self) -> float:
@@ -142,7 +143,7 @@ class DecodeCalibration:
         self._observe_suffix(handoff)
         self._observe_prefix(handoff)
         self.recent.observe(handoff.action, handoff.prompt_len, handoff.modelled_ms,
-                            handoff.handoff_s * 1e3, self.link.gbps)
+                            handoff.timings.total_s * 1e3, self.link.gbps)
         return sample_gbps
 
     def _observe_suffix(self, handoff: HandoffObservation) -> None:
@@ -155,7 +156,7 @@ class DecodeCalibration:
         """m from X: what the bytes and the restore do not explain, per message. Only from
         transfer-only, or a prefix that was still arriving well after the suffix was done."""
         action, t = handoff.action, handoff.timings
-        if action.cut == 0 or self.link.samples == 0:
+        if action.cut == 0 or self.link.samples == 0 or handoff.streamed:
             return
         if t.r_s > 0 and t.x_s <= PREFIX_HELD_BACK_RATIO * t.r_s:
             return
@@ -167,28 +168,54 @@ class DecodeCalibration:
 
 
 class PrefillCalibration:
-    def __init__(self, quantize_ms_per_mib: dict[str, float], link_prior_gbps: float):
+    def __init__(self, quantize_ms_per_mib: dict[str, float], link_prior_gbps: float,
+                 layer_cost: LayerCost | None = None):
         self.quantize_ms_per_mib = dict(quantize_ms_per_mib)
         # bytes over seconds of whole sends, encoding included: the link's stand-in until the
         # decode side has measured it
         self.send_throughput = LinkEstimate(link_prior_gbps)
+        self.layer_cost = layer_cost  # γ_p by prompt length; None: the prefill is not counted
+        self.gamma_scale = Ewma(1.0)  # measured prefill compute over the layer cost's
 
     @classmethod
     def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str,
                   link_prior_gbps: float) -> PrefillCalibration:
         """From a profile file, or measured on this machine now when `profile` is empty; a codec
         the profile lacks is measured now too, never taken as free."""
-        known = Profile.load(profile).quantize_ms_per_mib if profile else {}
-        return cls(_codec_costs(model, codecs, known, restore=False), link_prior_gbps)
+        loaded = Profile.load(profile) if profile else None
+        layer_cost = loaded.layer_cost if loaded else measure_layer_cost(
+            model, lengths=STARTUP_LAYER_LENGTHS)
+        known = loaded.quantize_ms_per_mib if loaded else {}
+        return cls(_codec_costs(model, codecs, known, restore=False), link_prior_gbps,
+                   layer_cost)
 
     def link_gbps(self, offered_gbps: float) -> float:
         """The decode side's measurement of the link when it has one, else this side's."""
         return offered_gbps if offered_gbps > 0 else self.send_throughput.gbps
 
-    def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts) -> CostInputs:
+    def prefill_ms_per_layer(self, prompt_len: int) -> float:
+        """γ_p now: the layer cost at this length, scaled by what recent prefills took."""
+        if self.layer_cost is None:
+            return 0.0
+        return self.layer_cost.at(prompt_len) * self.gamma_scale.value
+
+    def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
+                    streamed: bool = False, chunk_tokens: int = 0, prefill_queue: int = 0,
+                    decode_queue: int = 0) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
-                          costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms)
+                          costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
+                          prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len),
+                          streamed=streamed, chunk_tokens=chunk_tokens,
+                          prefill_queue=prefill_queue, decode_queue=decode_queue)
+
+    def observe_prefill(self, layers: int, prompt_len: int, seconds: float) -> None:
+        """Learn γ_p's scale from a prefill of `layers` layers that took `seconds`."""
+        if self.layer_cost is None or layers == 0:
+            return
+        expected = self.layer_cost.at(prompt_len) * layers
+        if expected > 0 and seconds > 0:
+            self.gamma_scale.update(seconds * 1e3 / expected)
 
     def observe_send(self, nbytes: int, seconds: float) -> None:
         self.send_throughput.observe(nbytes, seconds)

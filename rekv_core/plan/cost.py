@@ -1,19 +1,37 @@
-"""Predicted handoff time of every action, and the cheapest eligible one (eqs. 8–9 of the seed).
+"""Predicted time to first token of every action, and the cheapest eligible one.
 
-Inputs (`CostInputs`) come from both workers: the link estimate and the quantize cost α from the
-prefill side; the suffix cost per layer γ (at this prompt length, under the decode worker's current
-load), the restore cost and the join J from the decode side. For an action (b, c), with W the
-link rate in bytes/s and `lat` its latency:
+Inputs (`CostInputs`) come from both workers: the link estimate, the quantize cost α and the
+prefill's cost per layer γ_p from the prefill side; the suffix cost per layer γ (at this prompt
+length, under the decode worker's current load), the restore cost and the join J from the decode
+side; and how the handoff is sent (`streamed`, `chunk_tokens`). W is the link rate in bytes/ms,
+`lat` its latency, m the fixed cost of one data-plane message (measured by the decode worker).
+Every time counts from the start of the prefill to the decode side's complete cache and
+first-token logits.
 
-- token-only (c = 0): T = lat + m + tokens/W + L·γ + J
-- otherwise, overlapped schedule (eq. 9): T = H + max(X, R) + J, where
+The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` false:
+
+- token-only (c = 0): T = L·γ_p + lat + m + tokens/W + L·γ + J
+- otherwise: T = L·γ_p + H + max(X, R) + J, where
     H = lat + m + B_H/W                  (boundary; transfer-only: the first layer's latency)
-    X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire:
-                                          the sender encodes layer i+1 while layer i is on it)
+    X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire)
     R = (L − c)·γ
   and transfer-only (c = L) adds the head's bytes and has R = 0.
 
-m is the fixed cost of one data-plane message, measured by the decode worker.
+Streamed (the prefill sends each layer as it computes it, stops at the cut, then sends the boundary
+in chunks; the decode side starts its layers on each chunk): with one layer's step s = γ_p + α_b
+and its wire time w = B_layer/W + m,
+
+- token-only: T = lat + m + tokens/W + L·γ + J (the prefill computes nothing);
+- the prefix is on the decode side at E = max(c·s + w, s + c·w) (the link serializes what the
+  prefill produces), restored one layer later;
+- transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
+- otherwise the chunks follow the prefix on the link from max(c·s, E) on, each (rows·d·2)/W + m,
+  and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done:
+  T = lat + max(suffix end, E + restore_b(1 layer)) + J.
+
+The planner ranks by T plus the wait the action puts on the other requests queued at each worker
+(`load_ms`: the prefill's queue times this request's prefill compute, the decode worker's times
+its suffix compute), so a loaded pool gets less of the work.
 
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec and returns the
 predictions sorted by predicted time; the first is the choice.
@@ -24,9 +42,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from rekv_core.handoff.action import Action, wire_bytes
+from rekv_core.handoff.action import Action, layer_wire_bytes, wire_bytes
+from rekv_core.model.executor import chunk_bounds
 from rekv_core.model.shapes import ModelShape
-from rekv_core.units import MiB
+from rekv_core.units import BF16_BYTES, MiB
 
 
 @dataclass(frozen=True)
@@ -41,6 +60,11 @@ class CostInputs:
     join_ms: float = 0.0
     link_latency_ms: float = 0.0
     message_ms: float = 0.0  # fixed cost of one data-plane message (round trip, probe, checks)
+    prefill_ms_per_layer: float = 0.0  # γ_p at this prompt length, now; 0: not counted
+    streamed: bool = False  # sent from inside the prefill, which stops at the cut
+    chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
+    prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
+    decode_queue: int = 0  # other handoffs sharing the decode worker's compute
 
     def __post_init__(self) -> None:
         if self.link_gbps <= 0:
@@ -60,24 +84,78 @@ class Prediction:
     r_ms: float
     j_ms: float
     bytes: int
+    prefill_ms: float = 0.0  # the prefill's compute for this action
+    load_ms: float = 0.0  # the wait it puts on the other queued requests (see the module doc)
 
     def as_dict(self) -> dict:
         return {"action": self.action.kind.value, "codec": self.action.codec,
                 "cut": self.action.cut, "predicted_ms": self.total_ms, "h_ms": self.h_ms,
-                "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes}
+                "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes,
+                "prefill_ms": self.prefill_ms, "load_ms": self.load_ms}
 
 
 def predict(action: Action, inputs: CostInputs) -> Prediction:
+    """T of `action` under `inputs`' schedule, with its load term."""
+    p = _predict_streamed(action, inputs) if inputs.streamed else _predict_after_prefill(
+        action, inputs)
+    load = inputs.prefill_queue * p.prefill_ms + inputs.decode_queue * p.r_ms
+    return Prediction(p.action, p.total_ms, p.h_ms, p.x_ms, p.r_ms, p.j_ms, p.bytes,
+                      p.prefill_ms, load)
+
+
+def _alpha_ms(action: Action, inputs: CostInputs) -> tuple[float, float]:
+    """(encode, restore) ms of one layer in the action's codec."""
+    layer_mib = inputs.shape.kv_layer_bytes(inputs.prompt_len) / MiB
+    return (inputs.quantize_ms_per_mib.get(action.codec, 0.0) * layer_mib,
+            inputs.restore_ms_per_mib.get(action.codec, 0.0) * layer_mib)
+
+
+def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
+    shape, S = inputs.shape, inputs.prompt_len
+    L, c = shape.num_layers, action.cut
+    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
+    wire = wire_bytes(action, shape, S)
+    m, lat, gamma, join = (inputs.message_ms, inputs.link_latency_ms, inputs.suffix_ms_per_layer,
+                           inputs.join_ms)
+    if c == 0:
+        h = lat + m + wire.tokens / per_ms
+        return Prediction(action, h + L * gamma + join, h, 0.0, L * gamma, join, wire.total)
+    alpha, restore = _alpha_ms(action, inputs)
+    step = inputs.prefill_ms_per_layer + alpha
+    layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, S, shape.head_dim))
+    w = (layer.prefix + layer.scales) / per_ms + m
+    prefix_end = max(c * step + w, step + c * w)
+    prefill = c * inputs.prefill_ms_per_layer
+    if c == L:
+        end = prefix_end + wire.head / per_ms + m + restore
+        return Prediction(action, lat + end + join, lat + step, end - step, 0.0, join,
+                          wire.total, prefill)
+    r = (L - c) * gamma
+    arrived = max(c * step, prefix_end)
+    first = None
+    suffix_end = 0.0
+    for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
+        arrived += (s1 - s0) * shape.hidden_size * BF16_BYTES / per_ms + m
+        first = arrived if first is None else first
+        suffix_end = max(arrived, suffix_end) + r * (s1 - s0) / S
+    end = max(suffix_end, prefix_end + restore)
+    return Prediction(action, lat + end + join, lat + first,
+                      max(0.0, prefix_end + restore - first), r, join, wire.total, prefill)
+
+
+def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     shape, S = inputs.shape, inputs.prompt_len
     L, c = shape.num_layers, action.cut
     bytes_per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
     wire = wire_bytes(action, shape, S)
     gamma = inputs.suffix_ms_per_layer
     m = inputs.message_ms
+    prefill = L * inputs.prefill_ms_per_layer
     if c == 0:
         h = inputs.link_latency_ms + m + wire.tokens / bytes_per_ms
         r = L * gamma
-        return Prediction(action, h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms, wire.total)
+        return Prediction(action, prefill + h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms,
+                          wire.total, prefill)
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
     restore = inputs.restore_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib * c
@@ -85,8 +163,8 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
          + c * m)
     r = (L - c) * gamma
-    return Prediction(action, h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
-                      wire.total)
+    return Prediction(action, prefill + h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
+                      wire.total, prefill)
 
 
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:

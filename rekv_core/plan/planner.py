@@ -86,14 +86,14 @@ class Planner:
                forced: Action | None = None) -> Decision:
         ranked = [Ranked(p, expected_ms(p, inputs, evidence)) for p in choose(inputs, codecs)
                   if self.allowed(p.action, inputs.prompt_len)]
-        ranked.sort(key=lambda r: (r.expected_ms, r.prediction.bytes))
+        ranked.sort(key=lambda r: (_cost(r), r.prediction.bytes))
         known = _usable(evidence.measured)
-        margin = ranked[0].expected_ms * (1 + self.hysteresis)
+        margin = _cost(ranked[0]) * (1 + self.hysteresis)
         key = length_bucket(inputs.prompt_len)
         with self._lock:
             previous = self._last.get(key)
-            best = min((r for r in ranked if r.expected_ms <= margin), key=lambda r: (
-                r.prediction.action not in known, r.prediction.action != previous, r.expected_ms))
+            best = min((r for r in ranked if _cost(r) <= margin), key=lambda r: (
+                r.prediction.action not in known, r.prediction.action != previous, _cost(r)))
             self._last[key] = best.prediction.action
         if forced is None:
             return Decision(best.prediction.action, best.expected_ms, best.prediction.total_ms,
@@ -101,6 +101,11 @@ class Planner:
         prediction = predict(forced, inputs)
         return Decision(forced, expected_ms(prediction, inputs, evidence), prediction.total_ms,
                         ranked, inputs, forced=True)
+
+
+def _cost(ranked: Ranked) -> float:
+    """What the choice minimizes: the expected time plus the wait it puts on queued requests."""
+    return ranked.expected_ms + ranked.prediction.load_ms
 
 
 def common_codecs(mine: Iterable[str], theirs: Iterable[str]) -> list[str]:

@@ -134,7 +134,7 @@ class Handoffs:
         offer = worker.offer(len(ids), load, queue)
         request = wire_convert.handoff_request(HandoffCall(
             call.request_id, transfer.transfer_id, ids, offer, call.forced_action, key,
-            worker.settings.encrypt_data_plane))
+            worker.settings.encrypt_data_plane, call.forced_schedule))
         try:
             peer = self.prefill.pick()
         except ConnectionError as exc:  # no replica known yet: never lose the request
@@ -187,7 +187,7 @@ class Handoffs:
         observed = HandoffObservation(
             action=result.action, prompt_len=prompt_len, load=load, timings=result.timings,
             wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
-            modelled_ms=reply.model_ms)
+            modelled_ms=reply.model_ms, streamed=result.streamed)
         sample_gbps = worker.calibration.observe(observed)
         self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(prompt_len))
         t = result.timings
@@ -195,7 +195,7 @@ class Handoffs:
             action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,
             measured_ms=observed.handoff_s * 1e3, prefill_ms=reply.prefill_ms, q_ms=reply.q_ms,
             h_ms=observed.boundary_s * 1e3, x_ms=t.x_s * 1e3, r_ms=t.r_s * 1e3,
-            j_ms=t.j_s * 1e3)
+            j_ms=t.j_s * 1e3, schedule=reply.schedule)
         return Handed(result.cache, result.logits, report, sample_gbps)
 
     async def _fallback(self, ids: list[int], capacity: int, began: float,

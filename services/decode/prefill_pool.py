@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc

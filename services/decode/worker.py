@@ -80,7 +80,9 @@ class DecodeWorker(Worker):
         return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
                            address=self.receiver.address, codecs=tuple(self.settings.codecs),
                            queue_depth=queue, handoffs_in_flight=load,
-                           costs=self.calibration.offer(prompt_len, load))
+                           costs=self.calibration.offer(prompt_len, load),
+                           accepts_streamed=True,
+                           chunk_tokens=self.settings.boundary_chunk_tokens)
 
     def receive(self, transfer: Transfer, prompt_len: int, max_new_tokens: int, key: bytes
                 ) -> HandoffResult:

@@ -7,10 +7,11 @@ A call's life cycle:
    costs, or the forced action, which the planner evaluates the same way;
 3. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
    prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes), then
-   prefill the prompt, keeping h_c (one prefill at a time, the wait for it bounded by the call's
-   deadline);
-4. send the plan, the boundary and the prefix layers to the offer's data-plane address under the
-   call's transfer id, and wait until every byte has left, all within the call's deadline
+   prefill the prompt (one prefill at a time, the wait for it bounded by the call's deadline):
+   streamed, only up to the cut;
+4. send the plan, the prefix layers and the boundary to the offer's data-plane address under the
+   call's transfer id (streamed: each layer as soon as it is computed), and wait until every
+   byte has left, all within the call's deadline
    (`Transfer`); a cancelled call (its decode peer gave up or vanished) stops the sending before
    its next message and frees its buffers;
 5. record it and answer with the action, its prediction, every candidate and the timings.
@@ -60,9 +61,10 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                 transfer = Transfer(call.transfer_id, None if remaining is None else
                                     time.monotonic() + remaining,
                                     worker.settings.handoff_timeout_s, worker.transfers)
-                decision = worker.decide(call)  # 2
-                sent = await _until_done(asyncio.to_thread(worker.handoff, call, decision,
-                                                           transfer), transfer)  # 3, 4
+                schedule = worker.schedule(call)
+                decision = worker.decide(call, schedule, self.active - 1)  # 2
+                sent = await _until_done(asyncio.to_thread(
+                    worker.handoff, call, decision, schedule, transfer), transfer)  # 3, 4
         except BaseException as exc:
             if transfer is not None:
                 transfer.fail(f"{type(exc).__name__}: {exc}")
@@ -81,11 +83,13 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         report = sent.report  # 5
         metrics.record_sent(decision.action, sent.prefill_s, report.quantize_seconds, sent.send_s,
                             report.bytes, worker.bf16_bytes(len(call.token_ids)))
-        log.info("request=%s transfer=%s tokens=%d action=%s predicted_ms=%.1f prefill_ms=%.1f "
+        log.info("request=%s transfer=%s tokens=%d action=%s schedule=%s predicted_ms=%.1f "
+                 "prefill_ms=%.1f "
                  "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
                  "send_gbps=%.3f top=%s total_ms=%.1f",
                  call.request_id, call.transfer_id, len(call.token_ids), decision.action,
-                 decision.predicted_ms, sent.prefill_s * 1e3, report.quantize_seconds * 1e3,
+                 schedule, decision.predicted_ms, sent.prefill_s * 1e3,
+                 report.quantize_seconds * 1e3,
                  sent.send_s * 1e3, report.bytes.total, decision.inputs.link_gbps,
                  call.offer.costs.link_gbps, worker.calibration.send_throughput.gbps,
                  ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}"
@@ -96,7 +100,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             model_ms=decision.model_ms, prefill_ms=sent.prefill_s * 1e3,
             q_ms=report.quantize_seconds * 1e3, send_ms=sent.send_s * 1e3, bytes=report.bytes,
             link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
-            queue_depth=self.active))
+            queue_depth=self.active, schedule=schedule))
 
 
 async def _until_done(work, transfer: Transfer):

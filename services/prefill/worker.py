@@ -1,9 +1,13 @@
 """The prefill worker: model, planner, calibration and data-plane senders behind `Prefill.Handoff`.
 
-`check(call)` applies this worker's limits to a call; `decide(call)` asks the planner (forced
-actions too, which the planner evaluates); `handoff(call, decision, transfer)` prefills the prompt,
-one at a time (one model, one device), and sends the handoff to the offer's address, returning when
-every byte has left, within the transfer's deadline. Sends to one decode address share one sender
+`check(call)` applies this worker's limits to a call; `schedule(call)` says how its handoff is sent
+(streamed from inside the prefill when the decode worker takes it and `stream_handoff` is set, with
+the boundary chunk size the decode worker asks for; or the call's forced schedule);
+`decide(call, schedule, queue)` asks the planner (forced actions too, which the planner evaluates);
+`handoff(call, decision, schedule, transfer)` prefills the prompt, one at a time (one model, one
+device), streamed: layer by layer up to the cut, each sent as it is computed, the compute released
+once the cut is reached; else every layer, then the handoff; and returns when every byte has left,
+within the transfer's deadline. Sends to one decode address share one sender
 (one UCX endpoint), replaced once its peer is found gone. `handoff_memory(prompt_len)` is what one
 handoff holds, for admission control. Thread-safe.
 """
@@ -14,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rekv_core.handoff import SenderReport, send_handoff
+from rekv_core.handoff import Schedule, SenderReport, send_handoff
+from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.plan.calibration import PrefillCalibration
@@ -64,9 +69,24 @@ class PrefillWorker(Worker):
         if bad is not None:
             raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary [0, {vocab})")
 
-    def decide(self, call: HandoffCall) -> Decision:
+    def schedule(self, call: HandoffCall) -> Schedule:
+        """How this call's handoff is sent (INVALID_ARGUMENT for a forced schedule the decode
+        worker cannot take)."""
+        offer = call.offer
+        if call.forced_schedule is not None:
+            if call.forced_schedule.streamed and not offer.accepts_streamed:
+                raise InvalidArgument("forced_schedule.streamed: the decode worker does not "
+                                      "take a streamed handoff")
+            return call.forced_schedule
+        return Schedule(self.settings.stream_handoff and offer.accepts_streamed,
+                        offer.chunk_tokens)
+
+    def decide(self, call: HandoffCall, schedule: Schedule, queue: int = 0) -> Decision:
+        """`queue`: this worker's other handoffs, waiting or running."""
         costs = call.offer.costs
-        inputs = self.calibration.cost_inputs(self.shape, len(call.token_ids), costs)
+        inputs = self.calibration.cost_inputs(
+            self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
+            prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1))
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action)
         self.metrics.link.set(inputs.link_gbps)
@@ -80,7 +100,8 @@ class PrefillWorker(Worker):
         hidden = 2 * shape.boundary_bytes(prompt_len, elem)
         return prefill + hidden + shape.num_layers * shape.kv_layer_bytes(prompt_len)
 
-    def handoff(self, call: HandoffCall, decision: Decision, transfer: Transfer) -> SentHandoff:
+    def handoff(self, call: HandoffCall, decision: Decision, schedule: Schedule,
+                transfer: Transfer) -> SentHandoff:
         """Prefill and send under `transfer`, whose deadline bounds the wait for the compute and
         for the last byte; a sender whose peer turned out gone is dropped, so the next handoff
         to that address connects anew."""
@@ -90,27 +111,49 @@ class PrefillWorker(Worker):
         if not self._compute.acquire(timeout=transfer.wait_s()):
             raise TimeoutError(f"transfer {call.transfer_id}: no turn to compute before its "
                                f"deadline")
+        release = _Once(self._compute.release)
         try:
             transfer.check()
             started = time.perf_counter()
-            state = prefill(self.model, call.token_ids,
-                            boundaries={action.cut, self.shape.num_layers})
+            if schedule.streamed:
+                source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release)
+            else:
+                source = prefill(self.model, call.token_ids,
+                                 boundaries={action.cut, self.shape.num_layers})
+                release()
             prefill_s = time.perf_counter() - started
-        finally:
-            self._compute.release()
-        send_start = time.perf_counter()
-        try:
+            send_start = time.perf_counter()
             report = send_handoff(
-                sender, call.transfer_id, action, self.shape, call.token_ids, state,
+                sender, call.transfer_id, action, self.shape, call.token_ids, source,
                 key=call.handoff_key, encrypted=call.encrypt, transfer=transfer,
-                expect_ms=decision.predicted_ms,
+                expect_ms=decision.predicted_ms, chunk_tokens=schedule.chunk_tokens,
                 hooks=self.faults.for_handoff(call.request_id, transfer, action.cut, sender))
         except TransportError:
             self.senders.drop_if_broken(call.offer.address)
             raise
+        finally:
+            release()
         send_s = time.perf_counter() - send_start
-        self.calibration.observe_send(report.bytes.total, send_s)
+        layers = action.cut if schedule.streamed else self.shape.num_layers
+        if schedule.streamed:  # the sends ran beside the compute: no link figure in them
+            prefill_s = source.compute_s
+        else:
+            self.calibration.observe_send(report.bytes.total, send_s)
+        self.calibration.observe_prefill(layers, len(call.token_ids), prefill_s)
         return SentHandoff(prefill_s, send_s, report)
 
     def close(self) -> None:
         self.senders.shutdown()
+
+
+class _Once:
+    """Calls `fn` the first time it is called, never again (thread-safe)."""
+
+    def __init__(self, fn):
+        self._fn, self._lock = fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()

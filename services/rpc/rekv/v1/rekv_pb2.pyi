@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "max_new_tokens", "sampling", "forced_action", "stop_at_eos")
+    __slots__ = ("request_id", "token_ids", "text", "max_new_tokens", "sampling", "forced_action", "stop_at_eos", "forced_schedule")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
+    FORCED_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -22,7 +23,16 @@ class GenerateRequest(_message.Message):
     sampling: SamplingParams
     forced_action: Action
     stop_at_eos: bool
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ...) -> None: ...
+    forced_schedule: Schedule
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
+
+class Schedule(_message.Message):
+    __slots__ = ("streamed", "boundary_chunk_tokens")
+    STREAMED_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    streamed: bool
+    boundary_chunk_tokens: int
+    def __init__(self, streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -61,7 +71,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "generated_tokens", "finish_reason", "action", "action_kind", "bytes", "predicted_handoff_ms", "measured_handoff_ms", "ttft_ms", "fallback", "fallback_reason", "timings", "request_ms")
+    __slots__ = ("request_id", "prompt_tokens", "generated_tokens", "finish_reason", "action", "action_kind", "bytes", "predicted_handoff_ms", "measured_handoff_ms", "ttft_ms", "fallback", "fallback_reason", "timings", "request_ms", "schedule")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -76,6 +86,7 @@ class Summary(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_MS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     generated_tokens: int
@@ -90,7 +101,8 @@ class Summary(_message.Message):
     fallback_reason: str
     timings: HandoffTimings
     request_ms: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., predicted_handoff_ms: _Optional[float] = ..., measured_handoff_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[HandoffTimings, _Mapping]] = ..., request_ms: _Optional[float] = ...) -> None: ...
+    schedule: Schedule
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., predicted_handoff_ms: _Optional[float] = ..., measured_handoff_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[HandoffTimings, _Mapping]] = ..., request_ms: _Optional[float] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
 class HandoffTimings(_message.Message):
     __slots__ = ("prefill_ms", "q_ms", "h_ms", "x_ms", "r_ms", "j_ms")
@@ -123,7 +135,7 @@ class WireBytes(_message.Message):
     def __init__(self, boundary: _Optional[int] = ..., prefix: _Optional[int] = ..., scales: _Optional[int] = ..., tokens: _Optional[int] = ..., head: _Optional[int] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key", "encrypt_data_plane")
+    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key", "encrypt_data_plane", "forced_schedule")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +143,7 @@ class HandoffRequest(_message.Message):
     FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
+    FORCED_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -138,10 +151,11 @@ class HandoffRequest(_message.Message):
     forced_action: Action
     handoff_key: bytes
     encrypt_data_plane: bool
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ...) -> None: ...
+    forced_schedule: Schedule
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +183,8 @@ class DecodeOffer(_message.Message):
     LINK_GBPS_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_MS_FIELD_NUMBER: _ClassVar[int]
     MEASURED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -182,7 +198,9 @@ class DecodeOffer(_message.Message):
     link_gbps: float
     message_ms: float
     measured: _containers.RepeatedCompositeFieldContainer[MeasuredHandoffs]
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ...) -> None: ...
+    accepts_streamed: bool
+    boundary_chunk_tokens: int
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action")
@@ -197,7 +215,7 @@ class MeasuredHandoffs(_message.Message):
     def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
-    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms", "queue_depth")
+    __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms", "queue_depth", "schedule")
     ACTION_FIELD_NUMBER: _ClassVar[int]
     ACTION_KIND_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_MS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +227,7 @@ class HandoffResponse(_message.Message):
     LINK_GBPS_ESTIMATE_FIELD_NUMBER: _ClassVar[int]
     MODEL_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     action: Action
     action_kind: str
     predicted_ms: float
@@ -220,7 +239,8 @@ class HandoffResponse(_message.Message):
     link_gbps_estimate: float
     model_ms: float
     queue_depth: int
-    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ..., model_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ...) -> None: ...
+    schedule: Schedule
+    def __init__(self, action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., predicted_ms: _Optional[float] = ..., candidates: _Optional[_Iterable[_Union[Candidate, _Mapping]]] = ..., prefill_ms: _Optional[float] = ..., q_ms: _Optional[float] = ..., send_ms: _Optional[float] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., link_gbps_estimate: _Optional[float] = ..., model_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "bytes")

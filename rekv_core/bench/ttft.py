@@ -1,0 +1,213 @@
+"""`rekv bench ttft`: time to first token from the request's arrival, five ways, side by side.
+
+For each prompt length S and link rate (Gb/s, or `xK`: K times S's balanced rate, at which all
+layers' BF16 KV takes as long on the link as computing all layers), over the throttled in-process
+link, with the prefill on its own thread and the decode side on the calling thread:
+
+- `baseline` (a): the full prefill, then every layer's BF16 KV (the P/D default);
+- `seed` (b): the full prefill, then the seed's overlapped handoff (boundary first);
+- `streamed` (c): the handoff sent from inside the prefill, which stops at the cut
+  (`LivePrefill`), the boundary in one message;
+- `chunked` (d): as (c), the boundary in chunks of `chunk_tokens`, the suffix run chunk by chunk;
+- `colocated` (e): the prefill alone, to its own first-token logits (the bound: nothing moves).
+
+(b)–(d) try every action of `actions_for` and report each; a point's summary takes each schedule's
+best action (an oracle over the same sweep for every schedule). TTFT runs from the start of the
+prefill to the decode side's complete cache and first-token logits. Runs go round-robin over the
+cases, in a shuffled order each round, after `warmups` rounds. Every run's first token is checked
+against the colocated prefill's for the lossless actions.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
+from rekv_core.bench.machine import machine_info
+from rekv_core.bench.stats import median_ci
+from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff.action import wire_bytes
+from rekv_core.handoff.seal import new_key
+from rekv_core.handoff.source import LivePrefill
+from rekv_core.model.executor import Model, prefill
+from rekv_core.transport.inprocess import InProcessLink
+
+SCHEDULES = ("baseline", "seed", "streamed", "chunked", "colocated")
+
+
+@dataclass(frozen=True)
+class TtftCase:
+    schedule: str
+    action: Action | None = None  # None: colocated
+    chunk_tokens: int = 0
+
+    @property
+    def label(self) -> str:
+        if self.action is None:
+            return self.schedule
+        a = self.action
+        return f"{self.schedule} {a.codec if a.cut else 'tokens'}/{a.cut}"
+
+
+@dataclass
+class TtftConfig:
+    prompt_lens: Sequence[int] = (512, 1536)
+    link_rates: Sequence[LinkRate] = (LinkRate(1, True), LinkRate(4, True), LinkRate(10, False))
+    cuts: Sequence[int] | None = None  # None: L/5, 2L/5, 3L/5, 4L/5
+    codecs: Sequence[str] = ("int8",)  # prefix codecs of the joint actions (besides BF16)
+    chunk_tokens: int = 256
+    warmups: int = 1
+    runs: int = 5
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def actions_for(L: int, config: TtftConfig) -> list[Action]:
+    cuts = list(config.cuts) if config.cuts else sorted(
+        {max(1, min(L - 1, round(L * k / 5))) for k in (1, 2, 3, 4)})
+    actions = [Action.full_bf16(L), Action.token_only(L), Action("bf16", cuts[len(cuts) // 2], L)]
+    for codec in config.codecs:
+        actions += [Action(codec, L, L)] + [Action(codec, c, L) for c in cuts]
+    return actions
+
+
+def cases_for(L: int, config: TtftConfig) -> list[TtftCase]:
+    actions = actions_for(L, config)
+    cases = [TtftCase("baseline", Action.full_bf16(L)), TtftCase("colocated")]
+    cases += [TtftCase("seed", a) for a in actions if a != Action.full_bf16(L)]
+    cases += [TtftCase("streamed", a) for a in actions]
+    cases += [TtftCase("chunked", a, config.chunk_tokens) for a in actions if a.sends_boundary]
+    return cases
+
+
+@dataclass(frozen=True)
+class TtftSample:
+    ttft_s: float
+    prefill_s: float  # the prefill's own compute
+    first_token: int
+
+
+def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[int]) -> TtftSample:
+    """One request: from the start of the prefill to the first token's logits on the decode side."""
+    L = model.shape.num_layers
+    start = time.perf_counter()
+    if case.action is None:
+        out = prefill(model, ids, boundaries=())
+        elapsed = time.perf_counter() - start
+        return TtftSample(elapsed, elapsed, int(out.logits.argmax()))
+    action, request_id, key = case.action, uuid.uuid4().hex, new_key()
+    link.receiver.open(request_id)
+    outcome: dict = {}
+
+    def send() -> None:
+        try:
+            began = time.perf_counter()
+            if case.schedule in ("streamed", "chunked"):
+                source = LivePrefill(model, ids, action.cut)
+                outcome["source"] = source
+            else:
+                source = prefill(model, ids, boundaries={action.cut, L})
+                outcome["prefill_s"] = time.perf_counter() - began
+            send_handoff(link.sender, request_id, action, model.shape, ids, source, key=key,
+                         chunk_tokens=case.chunk_tokens)
+        except BaseException as exc:  # re-raised below, after the receiver is done
+            outcome["error"] = exc
+
+    sender = threading.Thread(target=send, name="rekv-bench-prefill")
+    sender.start()
+    try:
+        result = receive_handoff(model, link.receiver, request_id, "overlap", key=key,
+                                 prompt_len=len(ids))
+    finally:
+        sender.join()
+    ttft = time.perf_counter() - start
+    if "error" in outcome:
+        raise outcome["error"]
+    prefill_s = outcome["source"].compute_s if "source" in outcome else outcome["prefill_s"]
+    return TtftSample(ttft, prefill_s, int(result.logits.argmax()))
+
+
+def run_ttft_bench(model: Model, config: TtftConfig,
+                   progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The whole sweep; returns `{meta, rows, points}`."""
+    shape, L = model.shape, model.shape.num_layers
+    cases = cases_for(L, config)
+    rng = random.Random(config.seed)
+    rows, points = [], []
+    for S in config.prompt_lens:
+        ids = prompt_ids(shape.vocab_size, S, config.seed)
+        reference = int(prefill(model, ids, boundaries=()).logits.argmax())
+        compute_all = time_compute_all(model, ids)
+        kv_bf16 = wire_bytes(Action.full_bf16(L), shape, S).prefix
+        balanced = kv_bf16 * 8 / compute_all / 1e9
+        progress(f"S={S}: all {L} layers in {compute_all * 1e3:.0f} ms; balanced link "
+                 f"{balanced:.3f} Gb/s")
+        for rate in config.link_rates:
+            gbps = rate.gbps(balanced)
+            samples: dict[TtftCase, list[TtftSample]] = {case: [] for case in cases}
+            with InProcessLink(bandwidth_gbps=gbps) as link:
+                for round_ in range(config.warmups + config.runs):
+                    order = list(cases)
+                    rng.shuffle(order)
+                    for case in order:
+                        sample = run_case(model, link, case, ids)
+                        lossless = case.action is None or case.action.lossless
+                        if lossless and sample.first_token != reference:
+                            raise AssertionError(f"{case.label}: first token "
+                                                 f"{sample.first_token}, expected {reference}")
+                        if round_ >= config.warmups:
+                            samples[case].append(sample)
+                    progress(f"S={S} link={rate.label}: round {round_ + 1} of "
+                             f"{config.warmups + config.runs}")
+            here = [_row(case, S, rate, gbps, samples[case], reference) for case in cases]
+            rows += here
+            points.append(_point(S, rate, gbps, balanced, compute_all, here))
+            progress(_point_line(points[-1]))
+    return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
+                     "model": shape.name, "num_layers": L, "warmups": config.warmups,
+                     "runs": config.runs, "chunk_tokens": config.chunk_tokens, **config.extra},
+            "rows": rows, "points": points}
+
+
+def _row(case: TtftCase, S: int, rate: LinkRate, gbps: float, samples: list[TtftSample],
+         reference: int) -> dict:
+    ttfts = [s.ttft_s * 1e3 for s in samples]
+    median, (low, high) = median_ci(ttfts)
+    a = case.action
+    return {"schedule": case.schedule, "label": case.label, "prompt_len": S, "link": rate.label,
+            "link_gbps": round(gbps, 6), "codec": a.codec if a else None,
+            "cut": a.cut if a else None, "chunk_tokens": case.chunk_tokens,
+            "median_ms": median, "ci95_ms": [low, high], "samples_ms": ttfts,
+            "prefill_ms": statistics.median(s.prefill_s * 1e3 for s in samples),
+            "same_first_token": all(s.first_token == reference for s in samples)}
+
+
+def _point(S: int, rate: LinkRate, gbps: float, balanced: float, compute_all: float,
+           rows: list[dict]) -> dict:
+    best = {schedule: min((r for r in rows if r["schedule"] == schedule),
+                          key=lambda r: r["median_ms"]) for schedule in SCHEDULES}
+    ms = {schedule: best[schedule]["median_ms"] for schedule in SCHEDULES}
+    return {"prompt_len": S, "link": rate.label, "link_gbps": gbps, "balanced_gbps": balanced,
+            "compute_all_ms": compute_all * 1e3,
+            "best": {schedule: {"label": r["label"], "median_ms": r["median_ms"]}
+                     for schedule, r in best.items()},
+            "chunked_over_colocated": ms["chunked"] / ms["colocated"],
+            "baseline_over_chunked": ms["baseline"] / ms["chunked"],
+            "seed_over_chunked": ms["seed"] / ms["chunked"],
+            "baseline_over_seed": ms["baseline"] / ms["seed"]}
+
+
+def _point_line(p: dict) -> str:
+    b = p["best"]
+    return (f"S={p['prompt_len']} link={p['link']}: " + ", ".join(
+        f"{s} {b[s]['median_ms']:.0f} ms ({b[s]['label']})" for s in SCHEDULES)
+        + f"; (d)/(e) {p['chunked_over_colocated']:.2f}, (a)/(d) {p['baseline_over_chunked']:.2f}"
+          f", (b)/(d) {p['seed_over_chunked']:.2f}")
