@@ -48,8 +48,9 @@ def add_bench_parser(sub) -> None:
     link = which.add_parser(
         "link", help="the two services across an emulated cross-node link (needs root)",
         description="Run the prefill and decode services in two network namespaces joined by a "
-                    "veth pair shaped with tc tbf, and time every action and the planner's pick "
-                    "per prompt length and link rate. Without root it falls back to loopback "
+                    "veth pair shaped with tc tbf, and time TTFT from arrival for every action "
+                    "under the baseline, the seed's and the streamed schedules, and the "
+                    "planner's pick, per prompt length and link rate. Without root it falls back to loopback "
                     "with paced UCX sends. No delay emulation (no netem on this kernel).")
     link.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
                       "smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
@@ -271,28 +272,34 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     out = Console(width=160)
     for point in results["points"]:
         S, link = point["prompt_len"], point["link"]
-        table = Table(title=f"S = {S}, link {link} = {point['link_gbps']:.3g} Gb/s")
-        for column in ("action", "median ms", "95% CI", "predicted ms", "× BF16", "Q", "H", "X",
-                       "R", "J"):
-            table.add_column(column, justify="left" if column == "action" else "right")
+        table = Table(title=f"S = {S}, link {link} = {point['link_gbps']:.3g} Gb/s: TTFT from "
+                            f"arrival")
+        for column in ("case", "median ms", "95% CI", "predicted ms", "× baseline",
+                       "handoff ms", "Q", "H", "X", "R", "J"):
+            table.add_column(column, justify="left" if column == "case" else "right")
         for r in results["rows"]:
             if r["prompt_len"] == S and r["link"] == link:
                 table.add_row(r["label"], f"{r['median_ms']:.1f}",
                               f"{r['ci95_ms'][0]:.1f}–{r['ci95_ms'][1]:.1f}",
                               f"{r['predicted_ms']:.1f}", f"{r['speedup_vs_bf16']:.2f}",
+                              f"{r['handoff_median_ms']:.0f}",
                               *(f"{r['parts_median_ms'][k]:.0f}" for k in "QHXRJ"))
         out.print(table)
-    summary = Table(title="Per point: best measured action, the planner's pick, joint int8")
-    for column in ("S", "link", "Gb/s", "best", "ms", "planner", "ms", "within 10%",
-                   "joint/BF16", "joint/best single"):
+    summary = Table(title="Per point, TTFT of each way's best case (ms): (a) baseline, (b) the "
+                          "seed's, (c) streamed, (d) streamed + chunked, (e) local prefill; the "
+                          "planner against the best forced case")
+    for column in ("S", "link", "Gb/s", "(a)", "(b)", "(c)", "(d)", "(e)", "(d)/(e)", "(a)/(d)",
+                   "(b)/(d)", "planner", "ms", "within 10%"):
         summary.add_column(column, justify="right")
     for p in results["points"]:
+        ways = p["ways"]
         summary.add_row(str(p["prompt_len"]), p["link"], f"{p['link_gbps']:.3g}",
-                        p["best"]["label"], f"{p['best']['median_ms']:.1f}",
-                        p["planner"]["label"], f"{p['planner']['median_ms']:.1f}",
-                        "yes" if p["planner_within_10pct"] else "NO",
-                        f"{p['joint_int8_speedup_vs_bf16']:.2f}×",
-                        f"{p['joint_int8_speedup_vs_best_single']:.2f}×")
+                        *(f"{ways[w]['median_ms']:.0f}" for w in
+                          ("baseline", "seed", "streamed", "chunked", "local_prefill")),
+                        f"{p['chunked_over_local']:.2f}", f"{p['baseline_over_chunked']:.2f}",
+                        f"{p['seed_over_chunked']:.2f}", p["planner"]["label"],
+                        f"{p['planner']['median_ms']:.1f}",
+                        "yes" if p["planner_within_10pct"] else "NO")
     out.print(summary)
     write_json(args.json, results, indent=1)
     if args.plot:

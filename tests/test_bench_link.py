@@ -37,10 +37,13 @@ def _bench(tmp_path, *extra):
 def _check(report, png):
     rows = report["rows"]
     labels = [r["label"] for r in rows]
-    assert labels[:3] == ["BF16", "int8 only", "tokens"]
-    assert {"BF16 c=15", "int8 c=15"} <= set(labels) and labels[-1].startswith("planner: ")
+    assert labels[:3] == ["BF16 seed", "int8 only seed", "int8 c=15 seed"]
+    assert labels[3:9] == ["BF16 streamed", "int8 only streamed", "tokens streamed",
+                           "BF16 c=15 chunked", "int8 c=15 chunked", "int8 c=15 streamed"]
+    assert labels[-1].startswith("planner: ")
     forced = [r for r in rows if not r["planner"]]
-    wanted = [("bf16", 30), ("int8", 30), ("bf16", 0), ("bf16", 15), ("int8", 15)]
+    wanted = [("bf16", 30), ("int8", 30), ("int8", 15), ("bf16", 30), ("int8", 30), ("bf16", 0),
+              ("bf16", 15), ("int8", 15), ("int8", 15)]
     assert [(r["codec"], r["cut"]) for r in forced] == wanted  # the services honoured each one
     for r in rows:
         assert len(r["samples_ms"]) == 2 and r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
@@ -53,10 +56,18 @@ def _check(report, png):
     assert bf16["parts_median_ms"]["X"] >= 0.8 * wire_ms
     planner = rows[-1]
     allowed = Planner(shipped_policy("smollm2-135m"))
-    assert all(allowed.allowed(Action(codec, cut, 30), 32) for _, codec, cut in planner["picks"])
+    assert all(allowed.allowed(Action(codec, cut, 30), 32)
+               for _, codec, cut, streamed, _ in planner["picks"])
+    assert all(streamed for *_, streamed, _ in planner["picks"])  # the default schedule
     (point,) = report["points"]
     best = min(forced, key=lambda r: r["median_ms"])
     assert point["best"]["label"] == best["label"]
+    ways = point["ways"]
+    assert ways["baseline"]["label"] == "BF16 seed"
+    assert ways["local_prefill"]["label"] == "tokens streamed"
+    assert ways["chunked"]["median_ms"] == min(r["median_ms"] for r in forced[6:8])
+    assert point["baseline_over_chunked"] == pytest.approx(
+        rows[0]["median_ms"] / ways["chunked"]["median_ms"])
     assert point["planner_within_10pct"] == (planner["median_ms"] <= 1.1 * best["median_ms"])
     assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
     assert png.read_bytes()[:4] == b"\x89PNG"

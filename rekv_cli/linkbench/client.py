@@ -3,10 +3,11 @@
     python -m rekv_cli.linkbench.client --decode HOST:PORT --prompt-len S --actions JSON
         --warmups W --runs N --seed K --out FILE
 
-For each action in `--actions` (a JSON list of [codec, cut], or null for the planner's choice), in
-order: W untimed and N timed `Generate` calls with one new token and the same prompt of S token ids;
-writes, per action, the summaries' measured handoff ms, their parts (Q, H, X, R, J) and the actions
-actually used.
+For each case in `--actions` (a JSON list of {"action": [codec, cut] or null for the planner's
+choice, "schedule": [streamed, boundary chunk tokens] or null for the services' default}), in order:
+W untimed and N timed `Generate` calls with one new token and the same prompt of S token ids;
+writes, per case, the summaries' TTFT (from Generate's arrival on the decode worker) and measured
+handoff ms, their parts (Q, H, X, R, J), and the actions and schedules actually used.
 """
 
 from __future__ import annotations
@@ -36,23 +37,28 @@ def main(argv: list[str] | None = None) -> int:
                         generator=torch.Generator().manual_seed(args.seed)).tolist()
     results = []
     with grpc.insecure_channel(args.decode) as channel:
-        for number, forced in enumerate(json.loads(args.actions)):
-            forced = tuple(forced) if forced else None
-            samples, used, predicted, parts, fallbacks = [], [], [], [], 0
+        for number, case in enumerate(json.loads(args.actions)):
+            forced = tuple(case["action"]) if case["action"] else None
+            schedule = tuple(case["schedule"]) if case["schedule"] else None
+            samples, handoffs, used, predicted, parts, fallbacks = [], [], [], [], [], 0
             for run in range(args.warmups + args.runs):
                 g = generate(channel, f"link-{args.prompt_len}-{number}-{run}", ids, 1,
-                             forced_action=forced, timeout=600)
+                             forced_action=forced, forced_schedule=schedule, timeout=600)
                 s = g.summary
                 fallbacks += s.fallback
                 if run >= args.warmups:
-                    samples.append(s.measured_handoff_ms)
-                    used.append([s.action_kind, s.action.codec, s.action.cut])
+                    samples.append(s.ttft_ms)
+                    handoffs.append(s.measured_handoff_ms)
+                    used.append([s.action_kind, s.action.codec, s.action.cut,
+                                 s.schedule.streamed, s.schedule.boundary_chunk_tokens])
                     predicted.append(s.predicted_handoff_ms)
                     t = s.timings
                     parts.append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms,
                                   "J": t.j_ms})
-            results.append({"forced": list(forced) if forced else None, "samples_ms": samples,
-                            "used": used, "predicted_ms": predicted, "parts_ms": parts,
+            results.append({"forced": list(forced) if forced else None,
+                            "schedule": list(schedule) if schedule else None,
+                            "samples_ms": samples, "handoff_ms": handoffs, "used": used,
+                            "predicted_ms": predicted, "parts_ms": parts,
                             "fallbacks": fallbacks})
     with open(args.out, "w") as out:
         json.dump(results, out)

@@ -1,6 +1,13 @@
-"""`rekv bench link`'s results: one row per (point, action) from the client's samples, one summary
-per point (best action, best single mechanism, the planner against the best, joint int8 against
-full BF16 and the best single mechanism), and the Fig. 2-style plot.
+"""`rekv bench link`'s results: one row per (point, case) from the client's samples, one summary
+per point, and the Fig. 2-style plot.
+
+Every time is TTFT from Generate's arrival on the decode worker to its first token. A point's
+summary compares, each by its best case: (a) the baseline (full prefill, then every layer's BF16
+KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) the streamed schedule
+with the boundary in one message, (d) streamed with the boundary in chunks, (e) the decode side's
+own prefill (token-only, streamed: the prefill service computes nothing; the colocated bound plus
+one RPC); and the planner against the best forced case, joint int8 against full BF16 and against
+the best single mechanism.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import ModelShape
 
 SINGLE_MECHANISMS = ("bf16_transfer", "quant_transfer", "bf16_recompute", "token_recompute")
+INTERIOR = ("joint", "bf16_recompute")  # kinds with a boundary
 
 
 def _label(kind: str, codec: str, cut: int) -> str:
@@ -22,21 +30,30 @@ def _label(kind: str, codec: str, cut: int) -> str:
             "token_recompute": "tokens"}.get(kind, f"{'BF16' if codec == 'bf16' else codec} c={cut}")
 
 
+def schedule_class(streamed: bool, chunk_tokens: int) -> str:
+    if not streamed:
+        return "seed"
+    return "chunked" if chunk_tokens else "streamed"
+
+
 def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) -> dict:
     """One action at one point, from the client's results for it."""
     median, (low, high) = median_ci(result["samples_ms"])
-    kind, codec, cut = result["used"][-1]
+    kind, codec, cut, streamed, chunk = result["used"][-1]
     planner = result["forced"] is None
+    schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0)
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
-            "label": ("planner: " if planner else "") + _label(kind, codec, cut),
+            "schedule": schedule, "chunk_tokens": chunk,
+            "label": ("planner: " if planner else "") + _label(kind, codec, cut) + f" {schedule}",
             "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
             "bytes": wire_bytes(Action(codec, cut, shape.num_layers), shape, S).total,
             "median_ms": median, "ci95_ms": [low, high],
             "predicted_ms": statistics.median(result["predicted_ms"]),
             "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])
                                 for part in ("Q", "H", "X", "R", "J")},
-            "samples_ms": result["samples_ms"], "fallbacks": result["fallbacks"]}
+            "samples_ms": result["samples_ms"], "fallbacks": result["fallbacks"],
+            "handoff_median_ms": statistics.median(result["handoff_ms"])}
 
 
 def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balanced: float
@@ -54,8 +71,21 @@ def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balance
         return {"label": r["label"], "action": r["action"], "codec": r["codec"], "cut": r["cut"],
                 "median_ms": r["median_ms"]}
 
+    def best_of(schedule: str) -> dict:
+        """The seed's: any action; streamed: transfer-only, or an interior cut with the boundary
+        in one message; chunked: an interior cut with the boundary in chunks."""
+        def member(r: dict) -> bool:
+            return r["schedule"] == schedule and r["action"] != "token_recompute"
+        return brief(min(filter(member, forced), key=lambda r: r["median_ms"]))
+
+    ways = {"baseline": brief(bf16), "seed": best_of("seed"), "streamed": best_of("streamed"),
+            "chunked": best_of("chunked"),
+            "local_prefill": brief(next(r for r in forced if r["action"] == "token_recompute"))}
     within = planner["median_ms"] <= 1.1 * best["median_ms"]
-    return {"prompt_len": S, "link": rate.label, "link_gbps": gbps,
+    return {"prompt_len": S, "link": rate.label, "link_gbps": gbps, "ways": ways,
+            "chunked_over_local": ways["chunked"]["median_ms"] / ways["local_prefill"]["median_ms"],
+            "baseline_over_chunked": bf16["median_ms"] / ways["chunked"]["median_ms"],
+            "seed_over_chunked": ways["seed"]["median_ms"] / ways["chunked"]["median_ms"],
             "bf16_over_balanced": gbps / balanced, "best": brief(best),
             "best_single": brief(best_single), "planner": brief(planner),
             "planner_within_10pct": within,
@@ -99,9 +129,9 @@ def plot(results: dict, path: str | Path) -> None:
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(lengths))])
         ax.set_xticklabels([f"S={S}" for S in lengths])
         ax.set_title(f"link {link}")
-        ax.set_ylabel("handoff time / full BF16")
+        ax.set_ylabel("TTFT / full prefill + BF16 transfer")
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(f"{results['meta']['model']}: measured handoff time normalized to full BF16 "
+    fig.suptitle(f"{results['meta']['model']}: TTFT normalized to full prefill + BF16 transfer "
                  f"({results['meta']['link']})", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

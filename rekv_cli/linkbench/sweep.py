@@ -7,15 +7,19 @@ the link rate (`--pace-gbps`). There is no delay or loss emulation (this kernel 
 
 For each prompt length S and link rate (Gb/s, or xK: K times S's balanced rate, at which all layers'
 BF16 KV takes as long on the link as computing all layers), a client inside the decode namespace
-(`link_client`) sends, per action: W warm-up and N timed requests with one new token. Actions: full
-BF16, int8 transfer-only, BF16 recompute and joint int8 at each cut of the sweep, token-only, then
-the planner's own choice (no forced action). Where the machine has two cores or more, each
+(`link_client`) sends, per case: W warm-up and N timed requests with one new token. Cases
+(`forced_actions`): the baseline (full prefill, then full BF16), the seed's schedule (full prefill,
+then the handoff) for int8 transfer-only and joint int8 at each cut of the sweep, the streamed
+schedule (the handoff from inside a prefill that stops at the cut) for full BF16, int8
+transfer-only, token-only, BF16 recompute and joint int8 at each cut with the boundary in chunks,
+joint int8 with it in one message, then the planner's own choice (no forced action or schedule). Where the machine has two cores or more, each
 service is pinned to its own half of them (`taskset`), with as many torch threads as cores, and
 the balanced rate is measured under the same pinning: two nodes do not share cores, and without
 the pinning the decode side's recompute and the prefill side's encoding and sends would compete.
-Per point it reports medians with 95% bootstrap intervals of the measured handoff time (the end
-of the prefill to the complete cache on the decode worker), speedups over full BF16, the best
-action, and whether the planner's pick is within 10% of it.
+Per point it reports medians with 95% bootstrap intervals of TTFT from Generate's arrival on the
+decode worker (and the median handoff time, from the end of the prefill to the complete cache),
+speedups over the baseline, each schedule's best case, the best case, and whether the planner's
+pick is within 10% of it (`report`).
 """
 
 from __future__ import annotations
@@ -95,11 +99,25 @@ def default_cuts(num_layers: int) -> list[int]:
     return sorted({round(num_layers * f) for f in (0.3, 0.5, 0.7)})
 
 
-def forced_actions(num_layers: int, cuts: Sequence[int]) -> list[list | None]:
+SEED_SCHEDULE = [False, 0]  # a full prefill, then the handoff (the boundary in one message)
+
+
+def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256) -> list[dict]:
+    """The cases of a point: the baseline (full prefill, then every layer's BF16 KV); the seed's
+    schedule at each joint int8 cut and int8 transfer-only; the streamed schedule (the services'
+    default) for every action, the interior cuts also with the boundary in one message; token-only
+    (which the streamed schedule serves without any prefill: the decode side's local prefill, the
+    colocated bound plus one RPC); then the planner's choice under the default schedule."""
     L = num_layers
-    actions: list = [["bf16", L], ["int8", L], ["bf16", 0]]
-    actions += [["bf16", c] for c in cuts] + [["int8", c] for c in cuts]
-    return [*actions, None]  # None: the planner chooses
+    streamed, whole = [True, chunk_tokens], [True, 0]
+    cases = [{"action": ["bf16", L], "schedule": SEED_SCHEDULE}]
+    cases += [{"action": ["int8", L], "schedule": SEED_SCHEDULE}]
+    cases += [{"action": ["int8", c], "schedule": SEED_SCHEDULE} for c in cuts]
+    cases += [{"action": a, "schedule": streamed} for a in (["bf16", L], ["int8", L], ["bf16", 0])]
+    for codec in ("bf16", "int8"):
+        cases += [{"action": [codec, c], "schedule": streamed} for c in cuts]
+    cases += [{"action": ["int8", c], "schedule": whole} for c in cuts]
+    return [*cases, {"action": None, "schedule": None}]  # None: the planner chooses
 
 
 def run_link_bench(model: Model, config: LinkBenchConfig,

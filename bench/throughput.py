@@ -1,0 +1,156 @@
+"""Throughput of the two services with the prefill stopping at the cut: requests per second by cut.
+
+    python bench/throughput.py [--prompt-tokens 512] [--requests 16] [--concurrency 4]
+        [--max-new-tokens 4] [--dtype bfloat16] [--rounds 2] [--json FILE] [--markdown FILE]
+
+One prefill and one decode service (`ServicePair`), each pinned to a core of its own with one torch
+thread (`taskset`, when there are two cores or more), on loopback: the link is not the limit here,
+the two pools' compute is. Each mode sends `--requests` requests of the same `--prompt-tokens`
+random token ids, `--concurrency` at a time, streamed handoffs with the lossless BF16 codec:
+
+- `cut=c` forced: the prefill service computes layers 0..c−1 and the decode service c..L−1, so the
+  prefill pool's share of the work is c/L; c = L is the P/D default (the prefill computes every
+  layer), c = 0 gives the decode pool everything;
+- `planner`: no forced action, the planner chooses from the loads both workers report.
+
+Reported per mode: completed requests per second of the mode's wall time, TTFT p50/p95 (the decode
+service's `ttft_ms`), the prefill's compute per request, and for the planner the cuts it chose.
+Modes run in a shuffled order per round after one warm-up request each; the figures are medians
+over rounds. The pool that does most of a request's layers bounds the rate at about
+1 / (max(c, L − c) · γ), so the rate peaks near c = L/2 and the decode side's extra work stops
+paying below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from rekv_cli.client import generate  # noqa: E402
+from rekv_cli.launcher import ServicePair  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
+from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
+from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
+
+L = get_preset(DEFAULT_MODEL).num_layers
+
+
+def modes() -> list[tuple[str, int | None]]:
+    return [(f"cut={c}", c) for c in (L, 3 * L // 4, L // 2, L // 4, 0)] + [("planner", None)]
+
+
+def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> dict:
+    forced = None if cut is None else ("bf16", cut)
+    generate(channel, f"{label}-warmup", prompt, args.max_new_tokens, forced_action=forced,
+             stop_at_eos=False)
+
+    def one(index: int):
+        return generate(channel, f"{label}-{index}", prompt, args.max_new_tokens,
+                        forced_action=forced, stop_at_eos=False).summary
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        summaries = list(pool.map(one, range(args.requests)))
+    wall = time.perf_counter() - started
+    ttft = sorted(s.ttft_ms for s in summaries)
+    return {"mode": label, "requests_per_s": len(summaries) / wall, "wall_s": wall,
+            "ttft_p50_ms": statistics.median(ttft),
+            "ttft_p95_ms": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+            "prefill_ms_per_request": statistics.median(s.timings.prefill_ms for s in summaries),
+            "cuts": sorted(s.action.cut for s in summaries),
+            "fallbacks": sum(s.fallback for s in summaries)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=4)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--markdown", metavar="FILE")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
+    pinned = (os.cpu_count() or 1) >= 2
+    common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-concurrent",
+              str(args.concurrency)]
+    pair = ServicePair(common, common, log_dir=args.log_dir,
+                       prefill_prefix=["taskset", "-c", "0"] if pinned else [],
+                       decode_prefix=["taskset", "-c", "1"] if pinned else [])
+    rounds: list[list[dict]] = []
+    try:
+        with grpc.insecure_channel(pair.decode_address) as channel:
+            for round_ in range(args.rounds):
+                order = modes()
+                rng.shuffle(order)
+                rounds.append([run_mode(channel, cut, prompt, args, f"r{round_}-{label}")
+                               for label, cut in order])
+                print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
+    finally:
+        codes = pair.stop()
+    rows = summarize(rounds)
+    results = {"meta": {"machine": cpu_model(), "commit": git_commit(), "cores": os.cpu_count(),
+                        "pinned": pinned, "model": DEFAULT_MODEL, "num_layers": L,
+                        "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
+                        **{k: v for k, v in vars(args).items() if k not in ("json", "markdown")}},
+               "rows": rows, "rounds": rounds, "exit_codes": codes}
+    table = markdown(results)
+    print(table)
+    write_json(args.json, results, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def summarize(rounds: list[list[dict]]) -> list[dict]:
+    """Per mode, the median over rounds of each figure (and every cut the planner chose)."""
+    rows = []
+    for label, _ in modes():
+        runs = [r for round_ in rounds for r in round_ if r["mode"].endswith(f"-{label}")]
+        rows.append({"mode": label, **{key: statistics.median(r[key] for r in runs) for key in (
+            "requests_per_s", "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_per_request")},
+            "cuts": sorted(c for r in runs for c in r["cuts"]),
+            "fallbacks": sum(r["fallbacks"] for r in runs)})
+    full = rows[0]["requests_per_s"]
+    for row in rows:
+        row["vs_full_prefill"] = row["requests_per_s"] / full
+    return rows
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"# Throughput by cut ({meta['model']}, {meta['prompt_tokens']}-token prompts, "
+             f"{meta['concurrency']} at a time)", "",
+             f"Machine: {meta['machine']}, {meta['cores']} cores (services pinned: "
+             f"{meta['pinned']}); commit {meta['commit']}; `{meta['command']}`", "",
+             "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms | prefill ms/request "
+             "| cuts chosen |", "|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        cuts = ""
+        if r["mode"] == "planner":
+            counts = {c: r["cuts"].count(c) for c in sorted(set(r["cuts"]))}
+            cuts = ", ".join(f"{c}: {n}" for c, n in counts.items())
+        lines.append(f"| {r['mode']} | {r['requests_per_s']:.2f} | {r['vs_full_prefill']:.2f} | "
+                     f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+                     f"{r['prefill_ms_per_request']:.0f} | {cuts} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
