@@ -16,6 +16,8 @@
 #   services   both services on the device over UCX            -> services_e2e.json (+ logs)
 #   executor   prefill TFLOP/s and decode step vs ceilings      -> executor.json
 #   codecs     encode/decode GB/s incl. checksums vs copy rate  -> codecs.json
+#   ttft       TTFT (a)-(e): baseline, seed, streamed, chunked,  -> ttft.json
+#              colocated (issue 15), qwen2.5-7b preset at 8K
 #   handoff_*  the seed's Table 1 setting per preset            -> handoff-<preset>.json
 #   summary    the goals beside their ceilings and the seed     -> summary.md, summary.json
 set -uo pipefail
@@ -62,6 +64,7 @@ if ((DRY)); then
     KERNELS=(--dry-run) EXECUTOR=(--dry-run) SERVICES=(--dry-run) SUMMARY=(--dry-run)
     CODECS=(--prompt-len 128 --model smollm2-135m --repeats 2)
     HANDOFF=(--prompt-len 64 --link-gbps 1,x1 --cuts 10,20 --warmups 0 --runs 1)
+    TTFT=(--model smollm2-135m --prompt-len 64 --link-gbps x1 --cuts 15 --warmups 0 --runs 1)
 else
     if [[ -d .gpu-wheels ]]; then
         bash bench/gpu/install_wheels.sh .gpu-wheels >"$OUT/install.log" 2>&1 \
@@ -73,6 +76,9 @@ else
     CODECS=(--prompt-len 8192 --model qwen2.5-7b --model qwen2.5-3b --model qwen3-8b --repeats 10)
     # the seed's Table 1: 8K tokens at 18.4 Gb/s (2.3 GB/s), and this prompt's balanced rate
     HANDOFF=(--prompt-len 8192 --link-gbps 18.4,x1 --warmups 2 --runs 5)
+    # issue 15's grid at the seed's setting: the balanced rate, x4, the seed's 18.4 Gb/s, 10 Gb/s
+    TTFT=(--model synthetic:qwen2.5-7b --prompt-len 8192 --link-gbps x1,x4,18.4,10 --cuts 7,14,21
+          --chunk-tokens 1024 --warmups 1 --runs 3)
 fi
 
 step env 30 "$PYTHON" bench/gpu/env_info.py --json "$OUT/env.json"
@@ -87,6 +93,8 @@ step executor 90 "$PYTHON" bench/executor.py --device "$DEVICE" "${EXECUTOR[@]}"
     --json "$OUT/executor.json"
 step codecs 60 "$PYTHON" bench/codecs.py --device "$DEVICE" "${CODECS[@]}" \
     --json "$OUT/codecs.json"
+step ttft 120 "$PYTHON" -m rekv_cli bench ttft --device "$DEVICE" --dtype "$DTYPE" "${TTFT[@]}" \
+    --json "$OUT/ttft.json"
 for preset in $PRESETS; do
     step "handoff_$preset" 100 "$PYTHON" -m rekv_cli bench handoff --device "$DEVICE" \
         --dtype "$DTYPE" --model "synthetic:$preset" "${HANDOFF[@]}" --joint-codecs int8 \

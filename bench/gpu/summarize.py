@@ -115,6 +115,26 @@ def handoff(out: Path, missing: list[str]) -> list[dict]:
     return found
 
 
+def ttft(data: dict | None) -> list[dict] | None:
+    """Issue 15's goals per point: (d) within 10% of (e), >= 1.8x better than (a), never worse
+    than (b)."""
+    if data is None:
+        return None
+    rows = []
+    for p in data["points"]:
+        best = p["best"]
+        rows.append({"prompt_len": p["prompt_len"], "link": p["link"],
+                     "link_gbps": p["link_gbps"],
+                     **{f"{w}_ms": best[w]["median_ms"] for w in
+                        ("baseline", "seed", "streamed", "chunked", "colocated")},
+                     "chunked_action": best["chunked"]["label"],
+                     "d_over_e": p["chunked_over_colocated"], "a_over_d": p["baseline_over_chunked"],
+                     "b_over_d": p["seed_over_chunked"],
+                     "met": p["chunked_over_colocated"] <= 1.1 and p["seed_over_chunked"] >= 1.0
+                     and (p["link"] != "x1" or p["baseline_over_chunked"] >= 1.8)})
+    return rows
+
+
 def _table(rows: list[dict], columns: list[str]) -> list[str]:
     def cell(value):
         return f"{value:.3g}" if isinstance(value, float) else str(value)
@@ -142,7 +162,12 @@ def markdown(summary: dict) -> str:
                  ["model", "codec", "op", "gbps", "copy_gbps", "goal_gbps", "met"]),
                 ("Handoff: joint int8 over full BF16 transfer", summary["handoff"],
                  ["preset", "link", "full_bf16_ms", "joint_int8_cut", "joint_int8_ms",
-                  "joint_int8_model_ms", "ratio", "seed_ratio", "met"]))
+                  "joint_int8_model_ms", "ratio", "seed_ratio", "met"]),
+                ("TTFT from arrival, best action of each schedule (issue 15)",
+                 summary["ttft"] or [],
+                 ["prompt_len", "link", "link_gbps", "baseline_ms", "seed_ms", "streamed_ms",
+                  "chunked_ms", "colocated_ms", "chunked_action", "d_over_e", "a_over_d",
+                  "b_over_d", "met"]))
     for title, rows, columns in sections:
         lines += [f"## {title}", ""] + (_table(rows, columns) if rows else ["(no data)"]) + [""]
     if summary["missing"]:
@@ -162,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                "kernels": kernels(args.out, missing), "services": services(args.out, missing),
                "prefill": prefill, "decode": decode,
                "codecs": codecs(_load(args.out / "codecs.json", missing)),
-               "handoff": handoff(args.out, missing)}
+               "handoff": handoff(args.out, missing),
+               "ttft": ttft(_load(args.out / "ttft.json", missing))}
     summary["missing"] = missing
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     text = markdown(summary)
