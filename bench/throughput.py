@@ -138,9 +138,10 @@ def markdown(results: dict) -> str:
     lines = [f"# Throughput by cut ({meta['model']}, {meta['prompt_tokens']}-token prompts, "
              f"{meta['concurrency']} at a time)", "",
              f"Machine: {meta['machine']}, {meta['cores']} cores (services pinned: "
-             f"{meta['pinned']}); commit {meta['commit']}; `{meta['command']}`", "",
-             "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms | prefill ms/request "
-             "| cuts chosen |", "|---|---|---|---|---|---|---|"]
+             f"{meta['pinned']}); commit {meta['commit']};",
+             f"`{meta['command']}`", "",
+             "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms "
+             "| prefill ms/request | cuts chosen |", "|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         cuts = ""
         if r["mode"] == "planner":

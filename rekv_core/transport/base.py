@@ -55,6 +55,10 @@ from rekv_core.transport.arrivals import Arrival
 
 logger = logging.getLogger(__name__)
 
+# Messages a receiving transport may take in ahead of its consumer, per open request (what a
+# request's memory budget counts for them).
+PREFETCH = 4
+
 
 class TransportError(RuntimeError):
     """A message stream that cannot be trusted (gap, duplicate, closed link)."""

@@ -20,6 +20,7 @@ from rekv_core.model import KVCache, decode_steps, prefill
 from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.transport import create_receiver
+from rekv_core.transport.base import PREFETCH
 from services.calls import DecodeOffer, GenerateCall
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
@@ -27,7 +28,6 @@ from services.serving import Worker
 from services.settings import ServiceSettings
 
 MAX_REQUEST_ID = 128  # characters
-PREFETCH = 4  # messages the data-plane receiver reads ahead of the cache
 
 
 class DecodeWorker(Worker):

@@ -49,7 +49,7 @@ class Faults:
 
     def at_negotiation(self, request_id: str, transfer: Transfer) -> None:
         if self.fault_for(request_id) == "hold_negotiation":
-            self._hold(request_id, transfer, "negotiation")
+            self.hold(request_id, transfer, "negotiation")
 
     def for_handoff(self, request_id: str, transfer: Transfer, cut: int,
                     sender: TransportSender) -> _HandoffFaults | None:
@@ -57,12 +57,13 @@ class Faults:
         return _HandoffFaults(self, fault, request_id, transfer, cut, sender) if self.fault \
             else None
 
-    def _hold(self, request_id: str, transfer: Transfer, point: str) -> None:
+    def hold(self, request_id: str, transfer: Transfer, point: str) -> None:
+        """Hold the transfer at `point` for `hold_s` (logged)."""
         log.warning("fault injection: holding request=%s transfer=%s at %s", request_id,
                     transfer.transfer_id, point)
         transfer.hold(self.hold_s)
 
-    def _replayed(self, message: Message, replay: bool) -> Message:
+    def replayed(self, message: Message, replay: bool) -> Message:
         """Record this boundary; with `replay`, send the one recorded before it instead."""
         with self._lock:
             recorded, self._recorded = self._recorded, message
@@ -94,7 +95,7 @@ class _HandoffFaults:
                         name, message.request_id)
             return dataclasses.replace(message, buffers={**message.buffers, name: flipped})
         if message.name in (BOUNDARY, TOKENS):
-            return self.faults._replayed(message, fault == "replay")
+            return self.faults.replayed(message, fault == "replay")
         return message
 
     def after_send(self, name: str) -> None:
@@ -106,4 +107,4 @@ class _HandoffFaults:
 
     def _hold(self, name: str) -> None:
         point = "boundary" if name in (BOUNDARY, TOKENS) else "prefix"
-        self.faults._hold(self.request_id, self.transfer, point)
+        self.faults.hold(self.request_id, self.transfer, point)

@@ -34,7 +34,13 @@ import torch
 
 from rekv_core import streams
 from rekv_core.transport.arrivals import Arrival
-from rekv_core.transport.base import Message, ReceiveState, TransportError, TransportReceiver
+from rekv_core.transport.base import (
+    PREFETCH,
+    Message,
+    ReceiveState,
+    TransportError,
+    TransportReceiver,
+)
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import MAX_FRAME, decode_frame, message_tag, wire_view
 
@@ -111,7 +117,8 @@ class UcxReceiver(TransportReceiver):
 
     def __init__(self, engine: UcxEngine, host: str = "127.0.0.1", port: int = 0,
                  device: torch.device | str = "cpu", drain_seconds: float = 5.0,
-                 prefetch: int = 4, shared_engine: bool = False, max_message_bytes: int = 0):
+                 prefetch: int = PREFETCH, shared_engine: bool = False,
+                 max_message_bytes: int = 0):
         self._engine = engine
         self.max_message_bytes = max_message_bytes
         self._shared_engine = shared_engine

@@ -1,0 +1,181 @@
+"""The planner cold, at link rates and prompt lengths drawn at random: is its first request safe and
+is it near the best action from its second request on?
+
+    python bench/planner_cold.py [--points 4] [--seed N] [--planner-requests 6] [--runs 3]
+        [--rates 0.03,10] [--lengths 200,1500] [--json FILE] [--markdown FILE]
+
+For each of `--points` points, a link rate log-uniform in `--rates` (Gb/s) and a prompt length
+uniform in `--lengths`, both drawn from a seed that is itself random unless given (and recorded),
+so the points are not those of any committed sweep or test: fresh prefill and decode services
+(nothing learned yet; each pinned to its own core) start across an emulated link (two network
+namespaces joined by a veth pair shaped with `tc tbf`; as root, else loopback with paced sends),
+and a client in the decode namespace first sends `--planner-requests` requests with no forced
+action or schedule (the planner asked before anything else has run), then, per forced action of
+`CASES` under the default (streamed) schedule and the baseline (full prefill, then every layer's
+BF16 KV), one warm-up and `--runs` timed requests. Every time is TTFT from arrival on the decode
+worker (`Summary.ttft_ms`). Per point: the first request against full BF16 transfer (the baseline
+and streamed), the median of requests 2.. against the best forced median, and the actions chosen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rekv_cli.launcher import ServicePair  # noqa: E402
+from rekv_cli.linkbench.netns import (  # noqa: E402
+    DECODE_ADDRESS,
+    PREFILL_ADDRESS,
+    EmulatedLink,
+    unavailable,
+)
+from rekv_cli.linkbench.sweep import TCP_ONLY, split_cores  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
+from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
+from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
+
+L = get_preset(DEFAULT_MODEL).num_layers
+STREAMED = None  # the services' default schedule
+BASELINE = {"action": ["bf16", L], "schedule": [False, 0]}
+CASES = [BASELINE] + [{"action": a, "schedule": STREAMED} for a in (
+    ["bf16", L], ["int8", L], ["bf16", 0], ["bf16", L // 2], ["int8", L // 4], ["int8", L // 2],
+    ["int8", 3 * L // 4])]
+
+
+def draw_points(seed: int, count: int, rates: tuple[float, float], lengths: tuple[int, int]
+                ) -> list[dict]:
+    rng = random.Random(seed)
+    low, high = math.log(rates[0]), math.log(rates[1])
+    return [{"link_gbps": round(math.exp(rng.uniform(low, high)), 4),
+             "prompt_len": rng.randint(*lengths)} for _ in range(count)]
+
+
+def client(prefix: list[str], address: str, S: int, cases: list[dict], warmups: int, runs: int,
+           seed: int) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        path = out.name
+    vocab = get_preset(DEFAULT_MODEL).vocab_size
+    command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,
+               "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(cases),
+               "--warmups", str(warmups), "--runs", str(runs), "--seed", str(seed),
+               "--out", path]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise RuntimeError(f"link client failed: {result.stderr[-3000:]}")
+    data = json.loads(Path(path).read_text())
+    Path(path).unlink()
+    return data
+
+
+def services(link: EmulatedLink | None, gbps: float, args, log_dir: Path) -> ServicePair:
+    sides = split_cores(os.sched_getaffinity(0))
+    pins = [["taskset", "-c", ",".join(map(str, cores))] for cores in sides] if sides else [[], []]
+    common = ["--dtype", args.dtype, "--torch-threads", str(len(sides[0]) if sides else 1)]
+    if link is None:
+        return ServicePair([*common, "--pace-gbps", str(gbps)], common, log_dir=log_dir,
+                           prefill_prefix=pins[0], decode_prefix=pins[1])
+    return ServicePair([*common, "--host", PREFILL_ADDRESS], [*common, "--host", DECODE_ADDRESS],
+                       log_dir=log_dir, env=TCP_ONLY,
+                       prefill_prefix=[*link.prefix("prefill"), *pins[0]],
+                       decode_prefix=[*link.prefix("decode"), *pins[1]])
+
+
+def run_point(point: dict, args, log_dir: Path, index: int) -> dict:
+    why_not = unavailable()
+    link = None if why_not else EmulatedLink(point["link_gbps"])
+    pair = None
+    try:
+        pair = services(link, point["link_gbps"], args, log_dir / f"point-{index}")
+        prefix = link.prefix("decode") if link else []
+        S = point["prompt_len"]
+        planner = client(prefix, pair.decode_address, S, [{"action": None, "schedule": None}],
+                         0, args.planner_requests, index)[0]
+        forced = client(prefix, pair.decode_address, S, CASES, 1, args.runs, index)
+    finally:
+        codes = pair.stop() if pair else {}
+        if link:
+            link.close()
+    return summarize_point(point, planner, forced, codes, why_not)
+
+
+def summarize_point(point: dict, planner: dict, forced: list[dict], codes: dict,
+                    why_not: str | None) -> dict:
+    medians = [{"action": f["forced"], "schedule": "seed" if f["schedule"] else "streamed",
+                "median_ms": statistics.median(f["samples_ms"])} for f in forced]
+    best = min(medians, key=lambda m: m["median_ms"])
+    baseline, streamed_bf16 = medians[0]["median_ms"], medians[1]["median_ms"]
+    samples = planner["samples_ms"]
+    later = statistics.median(samples[1:])
+    return {**point, "link": "veth + tc tbf" if why_not is None else f"paced ({why_not})",
+            "planner_ms": samples, "planner_actions": [u[1:3] for u in planner["used"]],
+            "first_ms": samples[0], "first_over_baseline": samples[0] / baseline,
+            "first_over_streamed_bf16": samples[0] / streamed_bf16,
+            "later_median_ms": later, "later_over_best": later / best["median_ms"],
+            "best": best, "forced": medians, "exit_codes": codes,
+            "first_ok": samples[0] <= baseline, "later_ok": later <= 1.1 * best["median_ms"]}
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = ["# The planner cold, at random points", "",
+             f"Machine: {meta['machine']}; commit {meta['commit']}; seed {meta['seed']}; "
+             f"`{meta['command']}`", "",
+             "| Gb/s | S | link | 1st ms | 1st / baseline | 1st / streamed BF16 | 2nd.. median ms "
+             "| / best forced | best forced | planner's actions |", "|---|" * 1 + "---|" * 9]
+    for p in results["points"]:
+        best = p["best"]
+        acts = ", ".join(f"{c}/{k}" for c, k in p["planner_actions"])
+        lines.append(f"| {p['link_gbps']:.3g} | {p['prompt_len']} | {p['link']} | "
+                     f"{p['first_ms']:.0f} | {p['first_over_baseline']:.2f} | "
+                     f"{p['first_over_streamed_bf16']:.2f} | {p['later_median_ms']:.0f} | "
+                     f"{p['later_over_best']:.2f} | {best['action']} {best['schedule']} "
+                     f"{best['median_ms']:.0f} | {acts} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--points", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--planner-requests", type=int, default=6)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--rates", type=lambda t: tuple(map(float, t.split(","))),
+                        default=(0.03, 10.0))
+    parser.add_argument("--lengths", type=lambda t: tuple(map(int, t.split(","))),
+                        default=(200, 1500))
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--markdown", metavar="FILE")
+    args = parser.parse_args(argv)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="rekv-cold-"))
+    points = [run_point(p, args, log_dir, i)
+              for i, p in enumerate(draw_points(seed, args.points, args.rates, args.lengths))]
+    results = {"meta": {"machine": cpu_model(), "commit": git_commit(), "seed": seed,
+                        "command": "python bench/planner_cold.py " + " ".join(sys.argv[1:]),
+                        "dtype": args.dtype, "model": DEFAULT_MODEL, "cases": CASES},
+               "points": points,
+               "first_never_worse_than_baseline": all(p["first_ok"] for p in points),
+               "later_within_10pct": sum(p["later_ok"] for p in points)}
+    text = markdown(results)
+    print(text)
+    write_json(args.json, results, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""`rekv bench ttft` at a tiny size: every schedule's cases run, the lossless ones give the
+colocated prefill's first token, and a point's summary is the best case of each schedule."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rekv_core.bench.handoff import LinkRate
+from rekv_core.bench.ttft import SCHEDULES, TtftConfig, cases_for
+
+
+def test_cases_cover_every_schedule():
+    cases = cases_for(30, TtftConfig(cuts=[10, 20], codecs=["int8"], chunk_tokens=256))
+    by = {s: [c for c in cases if c.schedule == s] for s in SCHEDULES}
+    assert [c.action for c in by["colocated"]] == [None]
+    assert [(c.action.codec, c.action.cut) for c in by["baseline"]] == [("bf16", 30)]
+    streamed = {(c.action.codec, c.action.cut) for c in by["streamed"]}
+    assert streamed == {("bf16", 30), ("bf16", 0), ("bf16", 20), ("int8", 30), ("int8", 10),
+                        ("int8", 20)}
+    assert {(c.action.codec, c.action.cut) for c in by["seed"]} == streamed - {("bf16", 30)}
+    # chunking is for the actions with a boundary
+    assert all(0 < c.action.cut < 30 and c.chunk_tokens == 256 for c in by["chunked"])
+    assert LinkRate.parse("x4").gbps(0.5) == 2.0
+
+
+def test_bench_ttft_command(tmp_path):
+    out = tmp_path / "ttft.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "rekv_cli", "bench", "ttft", "--prompt-len", "300",
+         "--link-gbps", "x1", "--cuts", "15", "--warmups", "0", "--runs", "1",
+         "--threads", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())
+    (point,) = results["points"]
+    rows = results["rows"]
+    assert {r["schedule"] for r in rows} == set(SCHEDULES)
+    for schedule in SCHEDULES:
+        best = min((r for r in rows if r["schedule"] == schedule), key=lambda r: r["median_ms"])
+        assert point["best"][schedule]["label"] == best["label"]
+    assert point["chunked_over_colocated"] == pytest.approx(
+        point["best"]["chunked"]["median_ms"] / point["best"]["colocated"]["median_ms"])
+    lossless = [r for r in rows if r["codec"] in (None, "bf16")]
+    assert lossless and all(r["same_first_token"] for r in lossless)
+    streamed_tokens = next(r for r in rows if r["label"] == "streamed tokens/0")
+    assert streamed_tokens["prefill_ms"] == 0  # token-only: the prefill computes nothing
+    partial = next(r for r in rows if r["label"] == "streamed int8/15")
+    full = next(r for r in rows if r["label"] == "seed int8/15")
+    assert partial["prefill_ms"] < full["prefill_ms"]  # 15 of 30 layers against all 30
