@@ -16,7 +16,9 @@ import torch
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
 from rekv_core.handoff.seal import new_key
+from rekv_core.handoff.source import LivePrefill
 from rekv_core.model import Model, prefill
+from rekv_core.model.executor import EXEC_BLOCK
 from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
 from rekv_core.transport.inprocess import InProcessLink
@@ -53,14 +55,17 @@ def _expected_layer(state, action: Action, layer: int):
     return codec.decode(codec.encode(k, v))
 
 
-def _handoff(model, ids, state, action, schedule, sender, receiver, request_id):
+def _handoff(model, ids, state, action, schedule, sender, receiver, request_id, streamed=False,
+             chunk_tokens=0):
     receiver.open(request_id)
     errors = []
     key = new_key()  # sealed as in the services: the MAC and checksums run on the device too
 
     def send():
+        source = LivePrefill(model, ids, action.cut) if streamed else state
         try:
-            send_handoff(sender, request_id, action, model.shape, ids, state, key=key)
+            send_handoff(sender, request_id, action, model.shape, ids, source, key=key,
+                         chunk_tokens=chunk_tokens)
         except Exception as exc:  # noqa: BLE001 - surfaced by the test
             errors.append(exc)
 
@@ -93,6 +98,20 @@ def test_every_action_is_exact_over_the_inprocess_link(setting, schedule):
         for n, action in enumerate(_actions(model.shape.num_layers)):
             result = _handoff(model, ids, state, action, schedule, link.sender, link.receiver,
                               f"{schedule}-{n}")
+            _check(model, ids, state, action, result)
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+
+
+def test_every_action_is_exact_streamed_with_a_chunked_boundary(setting):
+    """The prefill runs on the compute stream while the sender encodes each layer on its own
+    stream after that layer's compute; the suffix runs one boundary chunk at a time."""
+    model, ids, state = setting
+    link_gbps = 400.0 if model.device.type == "cuda" else None
+    with InProcessLink(bandwidth_gbps=link_gbps) as link:
+        for n, action in enumerate(_actions(model.shape.num_layers)):
+            result = _handoff(model, ids, state, action, "overlap", link.sender, link.receiver,
+                              f"streamed-{n}", streamed=True, chunk_tokens=EXEC_BLOCK)
+            assert result.streamed
             _check(model, ids, state, action, result)
         assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
 
