@@ -50,8 +50,8 @@ def add_bench_parser(sub) -> None:
         description="Run the prefill and decode services in two network namespaces joined by a "
                     "veth pair shaped with tc tbf, and time TTFT from arrival for every action "
                     "under the baseline, the seed's and the streamed schedules, and the "
-                    "planner's pick, per prompt length and link rate. Without root it falls back to loopback "
-                    "with paced UCX sends. No delay emulation (no netem on this kernel).")
+                    "planner's pick, per prompt length and link rate. Without root it falls "
+                    "back to loopback with paced UCX sends. No delay emulation (no netem on this kernel).")
     link.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
                       "smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
     link.add_argument("--policy", default=None, help="`rekv gate` output the services load "
@@ -198,7 +198,7 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
     from rekv_core.bench.handoff import LinkRate
     from rekv_core.bench.ttft import SCHEDULES, TtftConfig, run_ttft_bench
     from rekv_core.codecs import get_codec
-    from rekv_core.model.executor import chunk_bounds
+    from rekv_core.model.blocks import chunk_bounds
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:

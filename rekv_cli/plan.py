@@ -61,8 +61,19 @@ def add_plan_parsers(sub) -> None:
     plan.add_argument("--model", default=DEFAULT_MODEL, help="a preset name")
     plan.add_argument("--prompt-len", type=int, required=True)
     plan.add_argument("--link-gbps", type=float, required=True)
-    plan.add_argument("--profile", default=None, help="`rekv profile` output (default: the "
-                      "profile shipped for the model)")
+    plan.add_argument("--profile", default=None, help="`rekv profile` output (default: this "
+                      "machine's cached profile, as the services keep it; else the profile "
+                      "shipped for the model, measured on another machine)")
+    plan.add_argument("--measure", action="store_true", help="measure this machine's profile "
+                      "when none is cached (loads the model: synthetic weights of its shape for "
+                      "a preset without weights) and cache it")
+    plan.add_argument("--unmeasured-link", action="store_true", help="plan as a fresh pair "
+                      "does before its first link sample: --link-gbps is only a prior")
+    plan.add_argument("--device", default=None, help="the profile's device: cpu, cuda or cuda:N "
+                      "(env REKV_DEVICE)")
+    plan.add_argument("--dtype", default=None, help="the profile's dtype (env REKV_DTYPE)")
+    plan.add_argument("--threads", type=int, default=None,
+                      help="the profile's torch threads (env REKV_TORCH_THREADS; 0 = all cores)")
     plan.add_argument("--policy", default=None, help="`rekv gate` output (default: the policy "
                       "shipped for the model; none: lossless actions only)")
     plan.add_argument("--codecs", type=csv_of(str), default=["bf16", "int8", "int4"])
@@ -143,13 +154,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
     from rekv_core.plan.policy import Policy, shipped_policy
-    from rekv_core.plan.profile import Profile, shipped_profile
 
     shape = get_preset(args.model)
-    profile = Profile.load(args.profile) if args.profile else shipped_profile(args.model)
-    if profile is None:
-        raise ValueError(f"profile: none ships for {args.model}; run `rekv profile` and pass "
-                         f"--profile")
+    profile, source = _plan_profile(args)
     policy = Policy.load(args.policy) if args.policy else shipped_policy(args.model)
     if args.prompt_len < 1:
         raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
@@ -158,15 +165,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.prompt_len, args.load)
     inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps).cost_inputs(
         shape, args.prompt_len, costs)
-    decision = Planner(policy).decide(inputs, args.codecs)
+    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
+                                                       link_measured=not args.unmeasured_link)
     if args.json:
         print(json.dumps(decision.as_dict()))
         return 0
     console = Console()
-    console.print(f"{shape.name}, S = {args.prompt_len}, link {args.link_gbps:g} Gb/s, profile "
-                  f"{profile.device}/{profile.dtype}, policy "
+    link = "prior, unmeasured" if args.unmeasured_link else "measured"
+    console.print(f"{shape.name}, S = {args.prompt_len}, link {args.link_gbps:g} Gb/s ({link}), "
+                  f"profile {profile.device}/{profile.dtype} ({source}), policy "
                   f"{'none (lossless only)' if policy is None else policy.max_cut}")
-    console.print(f"[bold]chosen: {decision.action} — predicted {decision.predicted_ms:.1f} ms")
+    console.print(f"[bold]chosen: {decision.action} — predicted {decision.predicted_ms:.1f} ms "
+                  f"({decision.rule.value.replace('_', ' ')})")
     table = Table(title="best candidates (all eligible actions are ranked; --json lists them)")
     for column in ("action", "codec", "cut", "predicted ms", "H", "X", "R", "MiB"):
         table.add_column(column)
@@ -176,3 +186,53 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       f"{p.bytes / 2**20:.2f}")
     console.print(table)
     return 0
+
+
+def _plan_profile(args: argparse.Namespace):
+    """(profile, where it came from) for `rekv plan`: --profile; else this machine's cached
+    profile (measured now with --measure); else the shipped one, with a warning on stderr."""
+    from rekv_core.plan.profile import Profile, shipped_profile
+    from rekv_core.plan.profile_cache import cached_profile, load_cached
+    from rekv_core.settings import RuntimeSettings, usable_cores
+
+    if args.profile:
+        if args.measure:
+            raise ValueError("measure: --profile names the profile; pass one or the other")
+        return Profile.load(args.profile), args.profile
+    source = args.model if args.model == DEFAULT_MODEL else f"synthetic:{args.model}"
+    settings = RuntimeSettings.from_env(model=source, device=args.device, dtype=args.dtype,
+                                        torch_threads=args.threads)
+    if args.measure:
+        settings.apply_threads()
+        return cached_profile(settings.load_model(), args.codecs), "measured on this machine"
+    print_ = _fingerprint(args.model, settings, usable_cores())
+    cached = load_cached(print_) if print_ else None
+    if cached is not None and all(c in cached.quantize_ms_per_mib and c in
+                                  cached.restore_ms_per_mib for c in args.codecs):
+        return cached, "cached for this machine"
+    shipped = shipped_profile(args.model)
+    if shipped is None:
+        raise ValueError(f"profile: none ships for {args.model} and none is cached for this "
+                         f"machine; pass --measure, or run `rekv profile` and pass --profile")
+    made_on = shipped.meta.get("fingerprint", {}).get("machine")
+    here = print_.get("machine") if print_ else None
+    if made_on is not None and made_on == here:
+        return shipped, "shipped, measured on this CPU model"
+    print(f"rekv plan: warning: the shipped profile of {args.model} was measured on "
+          f"{made_on or 'another machine (it does not say which)'}, not on this one "
+          f"({here or 'unknown'}); compute costs differ by up to 10x between CPUs (AVX-512 BF16 "
+          f"or not), so its choice may be wrong here. Pass --measure to measure this machine "
+          f"(seconds; cached, as the services cache theirs) or --profile FILE", file=sys.stderr)
+    return shipped, "shipped, measured on another machine"
+
+
+def _fingerprint(model: str, settings, cores: int) -> dict | None:
+    """This machine's profile fingerprint under `settings`, without loading the model (None
+    where the device cannot be asked, such as CUDA on a machine without it)."""
+    from rekv_core.plan.profile_cache import fingerprint
+
+    try:
+        return fingerprint(model, settings.device, settings.torch_dtype,
+                           settings.torch_threads or cores)
+    except (RuntimeError, AssertionError):
+        return None

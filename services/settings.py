@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from rekv_core.codecs import codec_names
-from rekv_core.model.executor import chunk_bounds
+from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import DEFAULT_MODEL
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS

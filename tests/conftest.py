@@ -2,11 +2,14 @@
 before anything imports triton."""
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# the services this session starts share one profile measurement, made here and not kept
+os.environ.setdefault("REKV_PROFILE_CACHE", tempfile.mkdtemp(prefix="rekv-test-profiles-"))
 
 import pytest  # noqa: E402
 

@@ -46,6 +46,12 @@ def test_the_decode_side_learns_link_suffix_join_and_evidence():
     assert calibration.link_gbps == pytest.approx(1.0)
     costs = calibration.offer(S, load=1)
     assert costs.link_gbps == pytest.approx(1.0)
+    # the process's first handoff ran cold: it teaches the link, and no cost estimate nor
+    # evidence (`RecentHandoffs` leaves out each action's first)
+    assert costs.suffix_ms_per_layer == pytest.approx(10.0) and costs.join_ms == 0.0
+    assert not costs.evidence.measured and not costs.evidence.over_model
+    calibration.observe(seen)
+    costs = calibration.offer(S, load=1)
     assert costs.suffix_ms_per_layer == pytest.approx(20.0)
     assert costs.join_ms == pytest.approx(4.0)
     assert seen.handoff_s == pytest.approx(0.02 + 0.2 + 0.004)

@@ -149,10 +149,11 @@ def near_ranking(inputs, evidence):
 def test_recent_handoffs_offer_fresh_measurements_over_a_like_link():
     clock = [0.0]
     recent = RecentHandoffs(window=3, max_age_s=100, link_tolerance=2.0, clock=lambda: clock[0])
-    for measured in (10, 20, 30, 40):
+    for measured in (100, 10, 20, 30, 40):  # the first, cold, is left out; the window keeps 3
         recent.observe(Action("int8", 21, 30), 1024, 10.0, measured, link_gbps=1.0)
+    recent.observe(Action("int8", 9, 30), 256, 10.0, 50.0, link_gbps=1.0)  # cold: left out
     recent.observe(Action("int8", 9, 30), 256, 10.0, 5.0, link_gbps=1.0)
-    assert recent.corrections(1.0) == {ActionKind.JOINT: 3.0}
+    assert recent.corrections(1.0) == {ActionKind.JOINT: 3.0}  # 30, 40 and 5 over 10
     assert recent.corrections(3.0) == {}
     a21, a9 = Action("int8", 21, 30), Action("int8", 9, 30)
     assert recent.measured(1100, 1.0) == {a21: Measured(30.0, 1024, 3)}
@@ -227,7 +228,7 @@ def test_planner_keeps_its_previous_choice_among_near_equals():
         return CostInputs(shape, 2048, gbps, gamma, {"bf16": 0.0, "int8": 0.5},
                           {"bf16": 0.01, "int8": 0.01}, 1.0)
 
-    planner = Planner(_policy({"int8": 30}))
+    planner = Planner(_policy({"int8": 30}), explore_every=0)
     first = planner.decide(inputs(30.0), ["bf16", "int8"]).action
     # a slightly slower suffix moves the balanced cut: a fresh planner picks another cut ...
     moved = Planner(_policy({"int8": 30}), hysteresis=0).decide(inputs(36.0), ["bf16", "int8"])
@@ -253,7 +254,7 @@ def test_a_change_of_link_moves_the_choice_within_a_few_requests():
         return CostInputs(shape, S, gbps, 30.0, {"bf16": 0.0, "int8": 0.5},
                           {"bf16": 0.01, "int8": 0.01}, 1.0)
 
-    planner = Planner(_policy({"int8": 30}))
+    planner = Planner(_policy({"int8": 30}), explore_every=0)
     recent, link = RecentHandoffs(), LinkEstimate(1.0, min_bytes=1)
     clock = [0.0]
     recent._clock = lambda: clock[0]

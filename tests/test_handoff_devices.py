@@ -18,7 +18,7 @@ from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
 from rekv_core.handoff.seal import new_key
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.model import Model, prefill
-from rekv_core.model.executor import EXEC_BLOCK
+from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
 from rekv_core.transport.inprocess import InProcessLink

@@ -17,7 +17,8 @@ from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer, TransferCancelled
 from rekv_core.handoff.wire import Plan
 from rekv_core.model import KVCache, executor, prefill, run_layers, run_layers_chunk
-from rekv_core.model.executor import EXEC_BLOCK, chunk_bounds, final_logits
+from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
+from rekv_core.model.executor import final_logits
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
 

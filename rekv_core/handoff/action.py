@@ -24,7 +24,7 @@ import enum
 from dataclasses import dataclass
 
 from rekv_core.codecs import BASELINE_CODEC, get_codec
-from rekv_core.model.executor import chunk_bounds
+from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 

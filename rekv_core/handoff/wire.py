@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rekv_core.handoff.action import Action
-from rekv_core.model.executor import EXEC_BLOCK, chunk_bounds
+from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.shapes import ModelShape
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"

@@ -18,12 +18,10 @@ compute, or stop early at a cut. `run_layers_chunk(model, h, start, pos, cache)`
 [start, L) for the rows [pos, pos + n) of a boundary state, attending to the earlier rows' K and V
 in `cache` (chunked prefill over the suffix).
 
-Every kernel of a layer runs over blocks of `EXEC_BLOCK` positions, aligned to multiples of it:
-each linear layer on one block of rows at a time, causal attention one block of queries at a time
-(block [b0, b1) attends to keys [0, b1)). So a suffix run in chunks whose starts are multiples of
-the block issues exactly the kernels the unchunked run issues, and its K, V and logits are
-bit-identical to it (`chunk_bounds` gives such chunks), whatever a BLAS library does with the
-number of rows it is given. It costs a few percent of a long prompt's prefill on the CPU. Shapes: h
+Every kernel of a layer runs over aligned blocks of `EXEC_BLOCK` positions (`blocks`), so a
+suffix run in chunks whose starts are multiples of the block issues exactly the kernels the
+unchunked run issues, and its K, V and logits are bit-identical to it (`chunk_bounds` gives such
+chunks). It costs a few percent of a long prompt's prefill on the CPU. Shapes: h
 `[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits `[vocab]` in float32.
 """
 
@@ -36,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from rekv_core.model.blocks import EXEC_BLOCK, attend, attend_causal, linear
 from rekv_core.model.cache import KVCache
 from rekv_core.model.shapes import ModelShape
 from rekv_core.model.weights import LayerWeights, ModelWeights
@@ -117,7 +116,7 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = model.shape
     s = x.shape[0]
-    q, k, v = _linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
+    q, k, v = linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
                                                    dim=-1)
     q = q.view(s, shape.num_heads, shape.head_dim)
     k = k.view(s, shape.num_kv_heads, shape.head_dim)
@@ -131,75 +130,9 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
     return q, k, v
 
 
-EXEC_BLOCK = 256  # positions per kernel call (rows of a linear layer, queries of attention)
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-            ) -> torch.Tensor:
-    """`F.linear` over blocks of `EXEC_BLOCK` rows of x `[n, k]`."""
-    if x.shape[0] <= EXEC_BLOCK:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(x[i:i + EXEC_BLOCK], weight, bias)
-                      for i in range(0, x.shape[0], EXEC_BLOCK)])
-
-
-def chunk_bounds(seq_len: int, chunk_tokens: int) -> list[tuple[int, int]]:
-    """Row ranges [s0, s1) covering [0, seq_len) in chunks of `chunk_tokens` (a multiple of
-    `EXEC_BLOCK`; 0: one chunk); a tail shorter than a block joins the chunk before it."""
-    if chunk_tokens < 0 or chunk_tokens % EXEC_BLOCK:
-        raise ValueError(f"chunk_tokens: must be a multiple of {EXEC_BLOCK} (0: one chunk), "
-                         f"got {chunk_tokens}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len: must be positive, got {seq_len}")
-    if chunk_tokens == 0 or chunk_tokens >= seq_len:
-        return [(0, seq_len)]
-    starts = list(range(0, seq_len, chunk_tokens))
-    if len(starts) > 1 and seq_len - starts[-1] < EXEC_BLOCK:
-        starts.pop()
-    return [(s0, starts[i + 1] if i + 1 < len(starts) else seq_len)
-            for i, s0 in enumerate(starts)]
-
-
-def _attend_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int = 0
-                   ) -> torch.Tensor:
-    """q `[n_h, n, d_h]` at positions [pos, pos + n), k and v `[n_kv, pos + n, d_h]`: causal
-    attention one `EXEC_BLOCK` of query positions at a time (the first block with the
-    kernel's causal flag, the others with a mask over keys [0, b1)) -> `[n, n_h*d_h]`."""
-    end = pos + q.shape[1]
-    outs = []
-    b0 = pos
-    while b0 < end:
-        b1 = min(end, (b0 // EXEC_BLOCK + 1) * EXEC_BLOCK)
-        rows = q[:, b0 - pos:b1 - pos]
-        if b0 == 0:
-            outs.append(_attend(rows, k[:, :b1], v[:, :b1], is_causal=True))
-        else:
-            mask = (torch.arange(b1, device=q.device)[None, :]
-                    <= torch.arange(b0, b1, device=q.device)[:, None])
-            outs.append(_attend(rows, k[:, :b1], v[:, :b1], mask=mask))
-        b0 = b1
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    # q: [n_h, Sq, d_h]; k, v: [n_kv, Sk, d_h]; mask: [Sq, Sk] (True: attend) -> [Sq, n_h*d_h]
-    n_h, n_q, d_h = q.shape
-    n_kv = k.shape[0]
-    if n_q == 1 and n_h != n_kv:
-        # One query (a decode step): the heads of a group share their KV head and the mask, so
-        # they go on the query axis, with no GQA expansion of K and V (and fused kernels apply).
-        out = F.scaled_dot_product_attention(q.reshape(n_kv, n_h // n_kv, d_h)[None], k[None],
-                                             v[None], attn_mask=mask)[0]
-        return out.reshape(1, n_h * d_h)
-    out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask,
-                                         is_causal=is_causal, enable_gqa=True)[0]
-    return out.transpose(0, 1).reshape(q.shape[1], -1)
-
-
 def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    gate, up = _linear(x, lw.w_gate_up).chunk(2, dim=-1)
-    return _linear(F.silu(gate) * up, lw.w_down)
+    gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, lw.w_down)
 
 
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -220,12 +153,12 @@ def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: to
     eps = model.shape.rms_eps
     q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
     if store is None:
-        out = _attend_causal(q, k, v)
+        out = attend_causal(q, k, v)
     else:
         k_all, v_all = store(index, k, v)
-        out = (_attend_causal(q, k_all, v_all, causal_from) if causal_from is not None
-               else _attend(q, k_all, v_all, mask=mask))
-    h = h + _linear(out, lw.wo)
+        out = (attend_causal(q, k_all, v_all, causal_from) if causal_from is not None
+               else attend(q, k_all, v_all, mask=mask))
+    h = h + linear(out, lw.wo)
     h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
     return h, k, v
 

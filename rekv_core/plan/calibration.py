@@ -1,8 +1,10 @@
 """What each worker learns about its own costs, so the planner's eq. 9 describes this deployment.
 
-Decode side, `DecodeCalibration`. From a profile file (or a short measurement at start) it knows one
-layer's suffix cost at any prompt length (γ, a `LayerCost`) and its restore cost per codec. From
-every handoff it completes (`observe(HandoffObservation)`) it learns:
+Decode side, `DecodeCalibration`. From a profile file (or, without one, this machine's profile:
+measured once and cached, `profile_cache.cached_profile`) it knows one layer's suffix cost at any
+prompt length (γ, a `LayerCost`) and its restore cost per codec. From every handoff it completes
+(`observe(HandoffObservation)`) it learns (the process's first handoff, which runs cold code paths,
+teaches only the link estimate):
 
 - γ's scale: the measured suffix time over what the profile predicts for it (EWMA);
 - J, the join (EWMA);
@@ -14,7 +16,8 @@ every handoff it completes (`observe(HandoffObservation)`) it learns:
 
 `offer(prompt_len, load)` turns all of it into the `DecodeCosts` the worker sends with a request.
 
-Prefill side, `PrefillCalibration`: α, the encode cost per codec (profile or measured), and the
+Prefill side, `PrefillCalibration`: α, the encode cost per codec (profile or cached), γ_p, its
+prefill's cost per layer (the profile's, scaled by what its prefills after the first took), and the
 throughput of its own sends, which stands in for the link until the decode side has measured it
 (it includes encoding, so it is only a fallback). `cost_inputs(shape, prompt_len, costs)` joins the
 two sides' figures into the planner's `CostInputs`.
@@ -29,15 +32,16 @@ from rekv_core.model.executor import Model
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.cost import CostInputs
 from rekv_core.plan.estimates import Ewma, LayerCost, LinkEstimate
-from rekv_core.plan.measure import measure_codec_costs, measure_layer_cost
-from rekv_core.plan.planner import Evidence
+from rekv_core.plan.measure import measure_codec_costs
+from rekv_core.plan.planner import LINK_SAMPLE_BYTES, Evidence
 from rekv_core.plan.profile import Profile
+from rekv_core.plan.profile_cache import STARTUP_CODEC_LENGTH, cached_profile
 from rekv_core.plan.recent import RecentHandoffs
 from rekv_core.units import MiB
 
-# A handoff's back-to-back runs must carry this much to time the link: smaller runs say more about
-# per-message latency than about the rate.
-LINK_SAMPLE_BYTES = 256 << 10
+# `LINK_SAMPLE_BYTES` (from the planner, whose unmeasured-link choice prefers an action that sends
+# that much): a handoff's back-to-back runs must carry this much to time the link.
+
 # The decode side files its own handoffs under this link rate until its first link sample. It is
 # never offered to the planner: an offer says 0 (not measured) until then.
 UNMEASURED_LINK_GBPS = 10.0
@@ -45,9 +49,6 @@ UNMEASURED_LINK_GBPS = 10.0
 # that ends within this factor of the suffix's time was held back by it: its X says how long the
 # suffix took, not what a message costs.
 PREFIX_HELD_BACK_RATIO = 1.2
-# Startup measurement when no profile is given: prompt lengths for γ, and for the codec costs.
-STARTUP_LAYER_LENGTHS = (64, 256, 1024)
-STARTUP_CODEC_LENGTH = 512
 
 
 @dataclass(frozen=True)
@@ -100,17 +101,17 @@ class DecodeCalibration:
         self.join_ms = Ewma(0.0)
         self.message_ms = Ewma(0.0)
         self.link = LinkEstimate(UNMEASURED_LINK_GBPS, min_bytes=LINK_SAMPLE_BYTES)
+        self._warm = False  # a handoff has been observed
 
     @classmethod
     def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str = ""
                   ) -> DecodeCalibration:
-        """From a profile file, or measured on this machine now when `profile` is empty; a codec
-        the profile lacks is measured now too, never taken as free."""
-        loaded = Profile.load(profile) if profile else None
-        layer_cost = loaded.layer_cost if loaded else measure_layer_cost(
-            model, lengths=STARTUP_LAYER_LENGTHS)
-        known = loaded.restore_ms_per_mib if loaded else {}
-        return cls(model.shape, layer_cost, _codec_costs(model, codecs, known, restore=True))
+        """From a profile file, or this machine's cached profile when `profile` is empty
+        (measured now if there is none); a codec the profile lacks is measured now too, never
+        taken as free."""
+        loaded = _profile(model, codecs, profile)
+        return cls(model.shape, loaded.layer_cost,
+                   _codec_costs(model, codecs, loaded.restore_ms_per_mib, restore=True))
 
     @property
     def link_gbps(self) -> float:
@@ -134,14 +135,16 @@ class DecodeCalibration:
     def observe(self, handoff: HandoffObservation) -> float | None:
         """Learn from one completed handoff; returns its link sample in Gb/s, if it had one."""
         t = handoff.timings
-        self.join_ms.update(t.j_s * 1e3)
         sample_gbps = None
         if handoff.link_sample is not None:
             nbytes, seconds = handoff.link_sample
             sample_gbps = nbytes * 8 / seconds / 1e9
             self.link.observe(nbytes, seconds)
-        self._observe_suffix(handoff)
-        self._observe_prefix(handoff)
+        if self._warm:  # the process's first handoff runs cold code paths: it sets no estimate
+            self.join_ms.update(t.j_s * 1e3)
+            self._observe_suffix(handoff)
+            self._observe_prefix(handoff)
+        self._warm = True
         self.recent.observe(handoff.action, handoff.prompt_len, handoff.modelled_ms,
                             handoff.timings.total_s * 1e3, self.link.gbps)
         return sample_gbps
@@ -176,18 +179,17 @@ class PrefillCalibration:
         self.send_throughput = LinkEstimate(link_prior_gbps)
         self.layer_cost = layer_cost  # γ_p by prompt length; None: the prefill is not counted
         self.gamma_scale = Ewma(1.0)  # measured prefill compute over the layer cost's
+        self._warm = False  # a prefill has been observed
 
     @classmethod
     def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str,
                   link_prior_gbps: float) -> PrefillCalibration:
-        """From a profile file, or measured on this machine now when `profile` is empty; a codec
-        the profile lacks is measured now too, never taken as free."""
-        loaded = Profile.load(profile) if profile else None
-        layer_cost = loaded.layer_cost if loaded else measure_layer_cost(
-            model, lengths=STARTUP_LAYER_LENGTHS)
-        known = loaded.quantize_ms_per_mib if loaded else {}
-        return cls(_codec_costs(model, codecs, known, restore=False), link_prior_gbps,
-                   layer_cost)
+        """From a profile file, or this machine's cached profile when `profile` is empty
+        (measured now if there is none); a codec the profile lacks is measured now too, never
+        taken as free."""
+        loaded = _profile(model, codecs, profile)
+        return cls(_codec_costs(model, codecs, loaded.quantize_ms_per_mib, restore=False),
+                   link_prior_gbps, loaded.layer_cost)
 
     def link_gbps(self, offered_gbps: float) -> float:
         """The decode side's measurement of the link when it has one, else this side's."""
@@ -213,12 +215,20 @@ class PrefillCalibration:
         """Learn γ_p's scale from a prefill of `layers` layers that took `seconds`."""
         if self.layer_cost is None or layers == 0:
             return
+        if not self._warm:  # the first prefill runs cold code paths
+            self._warm = True
+            return
         expected = self.layer_cost.at(prompt_len) * layers
         if expected > 0 and seconds > 0:
             self.gamma_scale.update(seconds * 1e3 / expected)
 
     def observe_send(self, nbytes: int, seconds: float) -> None:
         self.send_throughput.observe(nbytes, seconds)
+
+
+def _profile(model: Model, codecs: tuple[str, ...], path: str) -> Profile:
+    """The profile file at `path`, or this machine's cached profile when `path` is empty."""
+    return Profile.load(path) if path else cached_profile(model, codecs)
 
 
 def _codec_costs(model: Model, codecs: tuple[str, ...], known: dict[str, float], restore: bool

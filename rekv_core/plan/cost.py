@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from rekv_core.handoff.action import Action, layer_wire_bytes, wire_bytes
-from rekv_core.model.executor import chunk_bounds
+from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, MiB
 

@@ -10,24 +10,57 @@ action, the model's prediction times the measured/modelled ratio of the nearest 
 the same codec, else its kind's recent median of that ratio. Between near-equal actions it prefers
 a measured one, then the previous choice (hysteresis). With `forced`, the decision is that action
 with what the planner expects of it, beside the same ranking.
+
+Cold, it does not trust what it has not measured:
+
+- while the link is unmeasured (`link_measured` false: the decode side has no link sample and the
+  rate in `inputs` is only a prior), it takes the action with the least worst-case regret (its
+  expected time over the best action's) across plausible link rates (`UNMEASURED_LINK_RANGE`, from
+  a thousandth of the prior to ten times it); among actions near that least regret, one whose
+  bytes land back-to-back before the decode side starts computing, enough to time the link
+  (`samples_link`), so the next request is planned on a measured link. The regret is the model's
+  (with the evidence's corrections), so it bounds the first request's loss only as well as the
+  profile describes this machine;
+- every `explore_every`-th decision for a prompt-length bucket, it tries the best candidate whose
+  expectation does not rest on its own recent measurements and which the model alone expects
+  within `EXPLORE_FACTOR` of the chosen action's expected time: an action rejected on a
+  neighbour's or its kind's correction gets measured again.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from rekv_core.codecs import BASELINE_CODEC
-from rekv_core.handoff import Action, ActionKind
+from rekv_core.handoff import Action, ActionKind, wire_bytes
+from rekv_core.model.blocks import chunk_bounds
 from rekv_core.plan.cost import CostInputs, Prediction, choose, predict
 from rekv_core.plan.policy import Policy
 from rekv_core.plan.recent import Measured, length_bucket
+from rekv_core.units import BF16_BYTES
 
 MIN_MEASURED = 3  # an action's own median counts from this many recent handoffs
 HYSTERESIS = 0.1  # actions expected within this fraction of the best count as near-equal
+# A handoff's back-to-back runs must carry this much to time the link: smaller runs say more about
+# per-message latency than about the rate.
+LINK_SAMPLE_BYTES = 256 << 10
+# Unmeasured link: the plausible rates span these factors of the prior (a prior is optimistic, and
+# the prefill side's stand-in, its own send throughput, counts encoding too), at
+# `UNMEASURED_LINK_STEPS` rates per factor of ten. An action that samples the link is preferred
+# among those whose worst-case regret exceeds the least by at most `SAMPLE_SHARE` of what the least
+# loses (least − 1, the most a measured link can win back on each later request).
+UNMEASURED_LINK_RANGE = (1e-3, 10.0)
+UNMEASURED_LINK_STEPS = 3
+SAMPLE_SHARE = 0.5
+# Exploration: every this many decisions per length bucket (0: never); within this factor.
+EXPLORE_EVERY = 16
+EXPLORE_FACTOR = 1.5
 
 
 @dataclass(frozen=True)
@@ -43,6 +76,15 @@ class Ranked(NamedTuple):
     expected_ms: float  # what the planner expects, corrected by the evidence
 
 
+class Rule(str, enum.Enum):
+    """Why the decision took its action."""
+
+    BEST = "best"  # the least expected cost (with hysteresis)
+    UNMEASURED_LINK = "unmeasured_link"  # the least worst-case regret over plausible link rates
+    EXPLORE = "explore"  # a near candidate not measured recently, tried on purpose
+    FORCED = "forced"
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -51,10 +93,12 @@ class Decision:
     candidates: list[Ranked]  # every allowed action, best first
     inputs: CostInputs  # what the decision was made from
     forced: bool = False
+    rule: Rule = Rule.BEST
 
     def as_dict(self) -> dict:
         return {"chosen": {"action": self.action.kind.value, "codec": self.action.codec,
                            "cut": self.action.cut, "predicted_ms": self.predicted_ms},
+                "rule": self.rule.value,
                 "candidates": [{**p.as_dict(), "model_ms": p.total_ms, "predicted_ms": ms}
                                for p, ms in self.candidates]}
 
@@ -67,12 +111,18 @@ class Planner:
     alternate with every estimate update; then the fastest. Trying an unmeasured action is worth
     it only for a gain beyond the margin. The link rate is not part of the key: a settling
     estimate must not reset it, and a real change of link moves the old choice past the margin
-    anyway."""
+    anyway. `explore_every`: every that many decisions per length bucket on a measured link, an
+    exploring one (module doc; 0: never). Forced decisions neither count nor move the memory."""
 
-    def __init__(self, policy: Policy | None = None, hysteresis: float = HYSTERESIS):
+    def __init__(self, policy: Policy | None = None, hysteresis: float = HYSTERESIS,
+                 explore_every: int = EXPLORE_EVERY):
+        if explore_every < 0:
+            raise ValueError(f"explore_every: must be >= 0, got {explore_every}")
         self.policy = policy
         self.hysteresis = hysteresis
+        self.explore_every = explore_every
         self._last: dict[int, Action] = {}
+        self._decisions: dict[int, int] = {}  # by length bucket, on a measured link
         self._lock = threading.Lock()
 
     def allowed(self, action: Action, prompt_len: int) -> bool:
@@ -83,24 +133,107 @@ class Planner:
         return self.policy.eligible(action)
 
     def decide(self, inputs: CostInputs, codecs: Iterable[str], evidence: Evidence = Evidence(),
-               forced: Action | None = None) -> Decision:
+               forced: Action | None = None, link_measured: bool = True) -> Decision:
+        """`link_measured` false: `inputs.link_gbps` is a prior, not a measurement."""
+        codecs = list(codecs)
         ranked = [Ranked(p, expected_ms(p, inputs, evidence)) for p in choose(inputs, codecs)
                   if self.allowed(p.action, inputs.prompt_len)]
         ranked.sort(key=lambda r: (_cost(r), r.prediction.bytes))
+        if forced is not None:
+            prediction = predict(forced, inputs)
+            return Decision(forced, expected_ms(prediction, inputs, evidence),
+                            prediction.total_ms, ranked, inputs, forced=True, rule=Rule.FORCED)
+        if link_measured:
+            chosen, rule = self._best(ranked, evidence, length_bucket(inputs.prompt_len))
+        else:
+            chosen, rule = safe_choice(ranked, inputs, codecs, evidence), Rule.UNMEASURED_LINK
+            with self._lock:
+                self._last[length_bucket(inputs.prompt_len)] = chosen.prediction.action
+        return Decision(chosen.prediction.action, chosen.expected_ms, chosen.prediction.total_ms,
+                        ranked, inputs, rule=rule)
+
+    def _best(self, ranked: list[Ranked], evidence: Evidence, key: int) -> tuple[Ranked, Rule]:
         known = _usable(evidence.measured)
         margin = _cost(ranked[0]) * (1 + self.hysteresis)
-        key = length_bucket(inputs.prompt_len)
         with self._lock:
             previous = self._last.get(key)
             best = min((r for r in ranked if _cost(r) <= margin), key=lambda r: (
                 r.prediction.action not in known, r.prediction.action != previous, _cost(r)))
+            count = self._decisions[key] = self._decisions.get(key, 0) + 1
+            if self.explore_every and count % self.explore_every == 0:
+                trial = _exploration(ranked, known, best)
+                if trial is not None:
+                    return trial, Rule.EXPLORE
             self._last[key] = best.prediction.action
-        if forced is None:
-            return Decision(best.prediction.action, best.expected_ms, best.prediction.total_ms,
-                            ranked, inputs)
-        prediction = predict(forced, inputs)
-        return Decision(forced, expected_ms(prediction, inputs, evidence), prediction.total_ms,
-                        ranked, inputs, forced=True)
+        return best, Rule.BEST
+
+
+def _exploration(ranked: list[Ranked], known: Mapping[Action, Measured], best: Ranked
+                 ) -> Ranked | None:
+    """The best candidate other than `best` not measured recently that the model alone expects
+    within `EXPLORE_FACTOR` of `best`'s expected cost, if any."""
+    bound = EXPLORE_FACTOR * _cost(best)
+    return next((r for r in ranked if r.prediction.action not in known
+                 and r.prediction.action != best.prediction.action
+                 and r.prediction.total_ms + r.prediction.load_ms <= bound), None)
+
+
+def unmeasured_link_rates(prior_gbps: float) -> list[float]:
+    """The plausible link rates while the link is unmeasured: `UNMEASURED_LINK_RANGE` times the
+    prior, log-spaced."""
+    low, high = UNMEASURED_LINK_RANGE
+    steps = max(1, round(math.log10(high / low) * UNMEASURED_LINK_STEPS))
+    return [prior_gbps * low * (high / low) ** (i / steps) for i in range(steps + 1)]
+
+
+def worst_regret(ranked: list[Ranked], inputs: CostInputs, codecs: Iterable[str],
+                 evidence: Evidence = Evidence()) -> dict[Action, float]:
+    """Each ranked action's largest expected cost over the best one's, across
+    `unmeasured_link_rates(inputs.link_gbps)`."""
+    worst = {r.prediction.action: 1.0 for r in ranked}
+    codecs = list(codecs)
+    for gbps in unmeasured_link_rates(inputs.link_gbps):
+        at = dataclasses.replace(inputs, link_gbps=gbps)
+        costs = {p.action: expected_ms(p, at, evidence) + p.load_ms for p in choose(at, codecs)
+                 if p.action in worst}
+        floor = min(costs.values())
+        if floor <= 0:
+            continue
+        for action, ms in costs.items():
+            worst[action] = max(worst[action], ms / floor)
+    return worst
+
+
+def safe_choice(ranked: list[Ranked], inputs: CostInputs, codecs: Iterable[str],
+                evidence: Evidence = Evidence()) -> Ranked:
+    """The unmeasured link's choice: among the actions whose worst-case regret is at most
+    least + `SAMPLE_SHARE`·(least − 1), one that samples the link, then the least regret, then
+    the ranking's order (the prior's). An action without regret anywhere needs no link sample."""
+    worst = worst_regret(ranked, inputs, codecs, evidence)
+    least = min(worst.values())
+    bound = least + SAMPLE_SHARE * (least - 1) + 1e-9
+    order = {r.prediction.action: i for i, r in enumerate(ranked)}
+    return min((r for r in ranked if worst[r.prediction.action] <= bound), key=lambda r: (
+        not samples_link(r.prediction.action, inputs), worst[r.prediction.action],
+        order[r.prediction.action]))
+
+
+def samples_link(action: Action, inputs: CostInputs) -> bool:
+    """Whether `action` puts at least `LINK_SAMPLE_BYTES` on the wire back-to-back before the
+    decode side starts computing (what its link sample counts, see `transport.arrivals`):
+    transfer-only, its whole prefix; otherwise the boundary's first chunk, after the prefix when
+    streamed; token-only, nothing worth timing. An approximation: a layer the sender holds back
+    (encoding it, or computing it when streamed) ends a run."""
+    shape, S = inputs.shape, inputs.prompt_len
+    if action.cut == 0:
+        return False
+    wire = wire_bytes(action, shape, S)
+    prefix = wire.prefix + wire.scales
+    if action.cut == shape.num_layers:
+        return prefix + wire.head >= LINK_SAMPLE_BYTES
+    s0, s1 = chunk_bounds(S, inputs.chunk_tokens)[0]
+    first_chunk = (s1 - s0) * shape.hidden_size * BF16_BYTES
+    return first_chunk + (prefix if inputs.streamed else 0) >= LINK_SAMPLE_BYTES
 
 
 def _cost(ranked: Ranked) -> float:

@@ -1,7 +1,7 @@
 """The machine profile: per-layer costs measured on the machine that will serve.
 
-`rekv profile` writes it; the services load it at start (`--profile FILE`) instead of measuring
-their own short profile. JSON:
+`rekv profile` writes it; the services load it at start (`--profile FILE`) instead of their own
+short profile, which they measure once per machine and cache (`profile_cache`). JSON:
 
     {"model": ..., "device": ..., "dtype": ..., "torch_threads": ...,
      "layer_ms": {"lengths": [...], "ms": [...]},          # γ: one layer's prefill at each S
@@ -72,7 +72,8 @@ def measure_profile(model: Model, codecs, lengths=(64, 256, 1024, 2048),
 
 
 def shipped_profile(model: str) -> Profile | None:
-    """The reference profile that ships for `model` (measured on the development CPU), if any."""
+    """The reference profile that ships for `model` (measured on the development CPU), if any.
+    Compute costs differ by up to 10x between CPUs: `rekv plan` warns when it falls back to it."""
     from importlib import resources
 
     resource = resources.files("rekv_core.plan").joinpath("profiles", f"{model}.json")

@@ -11,6 +11,10 @@ speak for a new request:
 
 An action whose measurements age out, or whose link moved on, is predicted by the model again, so
 a change of link that makes it attractive gets it tried.
+
+The first handoff of each action within a length bucket is the cold one (its code paths, buffers,
+connection and caches warming up; 5x its warm time has been seen) and is left out of both: one
+outlier must not become an action's measurement, nor its kind's correction.
 """
 
 from __future__ import annotations
@@ -60,19 +64,25 @@ class RecentHandoffs:
         self._by_kind: dict[ActionKind, collections.deque] = collections.defaultdict(recent)
         self._by_action: dict[int, dict[Action, collections.deque]] = collections.defaultdict(
             lambda: collections.defaultdict(recent))
+        self._warm: set[tuple[int, Action]] = set()  # (bucket, action) past its first handoff
         self._lock = threading.Lock()
 
     def observe(self, action: Action, prompt_len: int, modelled_ms: float, measured_ms: float,
                 link_gbps: float) -> None:
+        """File one handoff, unless it is its action's first in its length bucket (cold)."""
         if measured_ms <= 0 or link_gbps <= 0:
             return
         handoff = _Handoff(prompt_len, measured_ms,
                            measured_ms / modelled_ms if modelled_ms > 0 else 0.0, link_gbps,
                            self._clock())
+        bucket = length_bucket(prompt_len)
         with self._lock:
+            if (bucket, action) not in self._warm:
+                self._warm.add((bucket, action))  # the cold one: left out
+                return
             if handoff.over_model > 0:
                 self._by_kind[action.kind].append(handoff)
-            self._by_action[length_bucket(prompt_len)][action].append(handoff)
+            self._by_action[bucket][action].append(handoff)
 
     def _alike(self, handoffs: Iterable[_Handoff], link_gbps: float) -> list[_Handoff]:
         oldest = self._clock() - self.max_age_s

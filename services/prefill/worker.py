@@ -88,7 +88,8 @@ class PrefillWorker(Worker):
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
             prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1))
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
-        decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action)
+        decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
+                                       link_measured=costs.link_gbps > 0)
         self.metrics.link.set(inputs.link_gbps)
         return decision
 
