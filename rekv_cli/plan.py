@@ -79,6 +79,12 @@ def add_plan_parsers(sub) -> None:
     plan.add_argument("--codecs", type=csv_of(str), default=["bf16", "int8", "int4"])
     plan.add_argument("--load", type=int, default=1, help="handoffs in flight on the decode "
                       "worker (scales its suffix cost)")
+    plan.add_argument("--schedule", choices=("streamed", "seed"), default="streamed",
+                      help="streamed: the handoff from inside a prefill that stops at the cut "
+                           "(the services' default); seed: a full prefill, then the handoff")
+    plan.add_argument("--chunk-tokens", type=int, default=256,
+                      help="the boundary's chunk size, a multiple of 256; 0: one message "
+                           "(default 256)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead")
     plan.set_defaults(func=cmd_plan)
 
@@ -150,6 +156,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from rekv_core.handoff import Schedule
     from rekv_core.model.shapes import get_preset
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
@@ -163,8 +170,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the two workers as the profile describes them, fresh: no handoff seen, the link as given
     costs = DecodeCalibration(shape, profile.layer_cost, profile.restore_ms_per_mib).offer(
         args.prompt_len, args.load)
-    inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps).cost_inputs(
-        shape, args.prompt_len, costs)
+    inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps,
+                                profile.layer_cost).cost_inputs(
+        shape, args.prompt_len, costs, streamed=args.schedule == "streamed",
+        chunk_tokens=Schedule(chunk_tokens=args.chunk_tokens).chunk_tokens)
     decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
                                                        link_measured=not args.unmeasured_link)
     if args.json:
@@ -173,16 +182,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     console = Console()
     link = "prior, unmeasured" if args.unmeasured_link else "measured"
     console.print(f"{shape.name}, S = {args.prompt_len}, link {args.link_gbps:g} Gb/s ({link}), "
-                  f"profile {profile.device}/{profile.dtype} ({source}), policy "
+                  f"{args.schedule} schedule, profile {profile.device}/{profile.dtype} "
+                  f"({source}), policy "
                   f"{'none (lossless only)' if policy is None else policy.max_cut}")
-    console.print(f"[bold]chosen: {decision.action} — predicted {decision.predicted_ms:.1f} ms "
+    console.print(f"[bold]chosen: {decision.action} — predicted TTFT {decision.predicted_ms:.1f} ms "
+                  f"from the prefill's start "
                   f"({decision.rule.value.replace('_', ' ')})")
     table = Table(title="best candidates (all eligible actions are ranked; --json lists them)")
-    for column in ("action", "codec", "cut", "predicted ms", "H", "X", "R", "MiB"):
+    for column in ("action", "codec", "cut", "TTFT ms", "prefill", "H", "X", "R", "MiB"):
         table.add_column(column)
     for p, ms in decision.candidates[:12]:
         table.add_row(p.action.kind.value, p.action.codec, str(p.action.cut), f"{ms:.1f}",
-                      f"{p.h_ms:.1f}", f"{p.x_ms:.1f}", f"{p.r_ms:.1f}",
+                      f"{p.prefill_ms:.1f}", f"{p.h_ms:.1f}", f"{p.x_ms:.1f}", f"{p.r_ms:.1f}",
                       f"{p.bytes / 2**20:.2f}")
     console.print(table)
     return 0
