@@ -185,8 +185,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"{args.schedule} schedule, profile {profile.device}/{profile.dtype} "
                   f"({source}), policy "
                   f"{'none (lossless only)' if policy is None else policy.max_cut}")
-    console.print(f"[bold]chosen: {decision.action} — predicted TTFT {decision.predicted_ms:.1f} ms "
-                  f"from the prefill's start "
+    console.print(f"[bold]chosen: {decision.action} — predicted TTFT "
+                  f"{decision.predicted_ms:.1f} ms from the prefill's start "
                   f"({decision.rule.value.replace('_', ' ')})")
     table = Table(title="best candidates (all eligible actions are ranked; --json lists them)")
     for column in ("action", "codec", "cut", "TTFT ms", "prefill", "H", "X", "R", "MiB"):
