@@ -82,11 +82,14 @@ class PrefillWorker(Worker):
                         offer.chunk_tokens)
 
     def decide(self, call: HandoffCall, schedule: Schedule, queue: int = 0) -> Decision:
-        """`queue`: this worker's other handoffs, waiting or running."""
+        """`queue`: this worker's other handoffs, waiting or running. The decode worker's other
+        requests (handoffs in flight, or requests queued or generating) wait for a suffix it
+        computes, which the planner weighs (`cost.predict`'s load term)."""
         costs = call.offer.costs
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
-            prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1))
+            prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1,
+                                                  call.offer.queue_depth - 1))
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
                                        link_measured=costs.link_gbps > 0)
