@@ -77,17 +77,19 @@ class LivePrefill:
         self._h: torch.Tensor | None = None
 
     def layers(self) -> Iterator[ProducedLayer]:
+        if self.cut == 0:  # token-only: nothing to compute
+            self.close()
+            return
         model = self.model
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                h = embed(model, self.token_ids) if self.cut else None
-                if self.cut:
-                    for step in iter_layers(model, h, 0, self.cut):
-                        self.compute_s += time.perf_counter() - started
-                        yield ProducedLayer(step.index, step.keys, step.values)
-                        started = time.perf_counter()
-                        h = step.hidden_out
+                h = embed(model, self.token_ids)
+                for step in iter_layers(model, h, 0, self.cut):
+                    self.compute_s += time.perf_counter() - started
+                    yield ProducedLayer(step.index, step.keys, step.values)
+                    started = time.perf_counter()
+                    h = step.hidden_out
             self._h = h
             if model.device.type == "cuda":
                 torch.cuda.current_stream(model.device).synchronize()
