@@ -37,18 +37,33 @@ def test_codecs_bad_arguments_are_named():
 
 def test_demo_runs_both_services_and_stops_them(tmp_path):
     out = tmp_path / "demo.json"
-    result = _rekv("demo", "--filler", "0,8", "--max-new-tokens", "6", "--log-dir",
+    result = _rekv("demo", "--filler", "0,4", "--max-new-tokens", "6", "--log-dir",
                    str(tmp_path / "logs"), "--json", str(out))
     assert result.returncode == 0, result.stderr + result.stdout
-    assert "prefill exit 0, decode exit 0" in result.stdout
+    assert "prefill exit 0, decode exit 0; 0 failed requests" in result.stdout
     report = json.loads(out.read_text())
     assert report["exit_codes"] == {"prefill": 0, "decode": 0}
-    assert [r["prompt_tokens"] for r in report["requests"]][0] < report["requests"][1][
-        "prompt_tokens"]
-    for row in report["requests"]:
-        assert row["bf16"]["action"] == "bf16_transfer" and row["bf16"]["passkey_found"]
-        assert row["planned"]["handoff_ms"] > 0 and not row["planned"]["fallback"]
-    assert "request=demo-0-planned" in (tmp_path / "logs" / "decode.log").read_text()
+    assert report["failed_requests"] == 0
+    link = report["meta"]["link"]
+    assert link["kind"] in ("netns", "paced") and f"link: {link['kind']}:" in result.stdout
+    assert link["chosen"] == "balanced" and link["gbps"] > 0 and link["compute_ms"] > 0
+    prompts, rows = report["prompts"], report["requests"]
+    assert len(prompts) == 2 and prompts[0]["prompt_tokens"] < prompts[1]["prompt_tokens"]
+    assert [p["order"] for p in prompts] == [["baseline", "seed", "streamed"],
+                                             ["seed", "streamed", "baseline"]]
+    assert len(rows) == 6 and len(report["warmups"]) == 5 + 4  # code paths, then both schedules
+    for p in prompts:
+        mine = {r["way"]: r for r in rows if r["prompt_index"] == p["prompt_index"]}
+        assert set(mine) == {"baseline", "seed", "streamed"}
+        assert all(r["ttft_ms"] > 0 and not r["fallback"] for r in mine.values())
+        assert mine["baseline"]["action_kind"] == "bf16_transfer"
+        assert not mine["baseline"]["streamed"] and not mine["seed"]["streamed"]
+        assert mine["streamed"]["streamed"] or mine["streamed"]["action_kind"] == "token_recompute"
+        assert all(r["same_tokens"] for r in mine.values() if r["lossless"])
+        assert mine["baseline"]["passkey_found"]
+        assert p["baseline_over_streamed"] == mine["baseline"]["ttft_ms"] / mine["streamed"][
+            "ttft_ms"]
+    assert "request=demo-0-streamed" in (tmp_path / "logs" / "decode.log").read_text()
 
 
 def test_serve_rejects_bad_settings_by_name():

@@ -12,9 +12,9 @@ BF16 KV takes as long on the link as computing all layers), a client inside the 
 then the handoff) for int8 transfer-only and joint int8 at each cut of the sweep, the streamed
 schedule (the handoff from inside a prefill that stops at the cut) for full BF16, int8
 transfer-only, token-only, BF16 recompute and joint int8 at each cut with the boundary in chunks,
-joint int8 with it in one message, then the planner's own choice (no forced action or schedule). Where the machine has two cores or more, each
-service is pinned to its own half of them (`taskset`), with as many torch threads as cores, and
-the balanced rate is measured under the same pinning: two nodes do not share cores, and without
+joint int8 with it in one message, then the planner's own choice (no forced action or schedule).
+Where the machine has two cores or more, each service is pinned to its own half of them
+(`taskset`), with as many torch threads as cores, and the balanced rate is measured under the same pinning: two nodes do not share cores, and without
 the pinning the decode side's recompute and the prefill side's encoding and sends would compete.
 Per point it reports medians with 95% bootstrap intervals of TTFT from Generate's arrival on the
 decode worker (and the median handoff time, from the end of the prefill to the complete cache),
@@ -95,6 +95,47 @@ def pinned(cores: Sequence[int] | None):
         torch.set_num_threads(threads)
 
 
+def service_layout(service_args: Sequence[str], pin: bool = True
+                   ) -> tuple[tuple[list[int] | None, list[int] | None], dict[str, list[str]]]:
+    """((prefill's cores, decode's cores), each role's service arguments): with `pin` and two cores
+    or more, each service on its own half of them with as many torch threads (unless
+    `service_args` sets them); otherwise (None, None) and `service_args` for both."""
+    sides = split_cores(os.sched_getaffinity(0)) if pin else None
+    cores = sides or (None, None)
+    own_threads = "--torch-threads" not in service_args
+    return cores, {role: [*service_args, *(["--torch-threads", str(len(side))]
+                                           if side and own_threads else [])]
+                   for role, side in zip(("prefill", "decode"), cores)}
+
+
+def balanced_gbps(model: Model, ids: Sequence[int], cores: Sequence[int] | None = None,
+                  repeats: int = 3) -> tuple[float, float]:
+    """(the link rate in Gb/s at which all layers' BF16 KV of the prompt `ids` takes as long on
+    the link as computing all layers, that compute in seconds), timed on `cores`."""
+    with pinned(cores):
+        compute = time_compute_all(model, ids, repeats)
+    prefix = wire_bytes(Action.full_bf16(model.shape.num_layers), model.shape, len(ids)).prefix
+    return prefix * 8 / compute / 1e9, compute
+
+
+def start_services(service_args: dict[str, list[str]], log_dir: str | Path,
+                   cores: tuple[Sequence[int] | None, Sequence[int] | None] = (None, None),
+                   link: EmulatedLink | None = None, pace_gbps: float = 0.0) -> ServicePair:
+    """Both services, each under `taskset` on its cores: in `link`'s namespaces (UCX over TCP
+    only), or without a link on loopback with the prefill pacing its UCX sends to `pace_gbps`."""
+    (prefill_cores, decode_cores), prefill_args, decode_args = (
+        cores, service_args["prefill"], service_args["decode"])
+    if link is None:
+        return ServicePair([*prefill_args, "--pace-gbps", f"{pace_gbps}"], decode_args,
+                           log_dir=log_dir, prefill_prefix=_taskset(prefill_cores),
+                           decode_prefix=_taskset(decode_cores))
+    return ServicePair(
+        [*prefill_args, "--host", PREFILL_ADDRESS], [*decode_args, "--host", DECODE_ADDRESS],
+        log_dir=log_dir, env=TCP_ONLY,
+        prefill_prefix=[*link.prefix("prefill"), *_taskset(prefill_cores)],
+        decode_prefix=[*link.prefix("decode"), *_taskset(decode_cores)])
+
+
 def default_cuts(num_layers: int) -> list[int]:
     return sorted({round(num_layers * f) for f in (0.3, 0.5, 0.7)})
 
@@ -142,13 +183,8 @@ class _Sweep:
         self.shape = model.shape
         self.cuts = list(config.cuts or default_cuts(self.shape.num_layers))
         self.actions = forced_actions(self.shape.num_layers, self.cuts)
-        sides = split_cores(os.sched_getaffinity(0)) if config.pin else None
-        self.prefill_cores, self.decode_cores = sides or (None, None)
-        own_threads = "--torch-threads" not in config.service_args
-        self.service_args = {
-            role: [*config.service_args,
-                   *(["--torch-threads", str(len(cores))] if cores and own_threads else [])]
-            for role, cores in (("prefill", self.prefill_cores), ("decode", self.decode_cores))}
+        (self.prefill_cores, self.decode_cores), self.service_args = service_layout(
+            config.service_args, config.pin)
         self.why_not = "loopback requested" if config.loopback else unavailable()
         self.log_dir = Path(config.log_dir or tempfile.mkdtemp(prefix="rekv-link-"))
         self.balanced: dict[int, float] = {}
@@ -190,25 +226,15 @@ class _Sweep:
 
     def _balanced_gbps(self, S: int) -> float:
         """The rate at which all layers' BF16 KV takes as long on the link as computing them."""
-        with pinned(self.decode_cores):
-            compute = time_compute_all(self.model, prompt_ids(self.shape.vocab_size, S, 0))
-        L = self.shape.num_layers
-        balanced = wire_bytes(Action.full_bf16(L), self.shape, S).prefix * 8 / compute / 1e9
+        balanced, compute = balanced_gbps(self.model, prompt_ids(self.shape.vocab_size, S, 0),
+                                          self.decode_cores)
         self.progress(f"S={S}: all layers compute in {compute * 1e3:.0f} ms, balanced link "
                       f"{balanced:.3f} Gb/s")
         return balanced
 
     def _services(self, link: EmulatedLink | None = None, pace_gbps: float = 0.0) -> ServicePair:
-        prefill_args, decode_args = self.service_args["prefill"], self.service_args["decode"]
-        if link is None:
-            return ServicePair([*prefill_args, "--pace-gbps", f"{pace_gbps}"], decode_args,
-                               log_dir=self.log_dir, prefill_prefix=_taskset(self.prefill_cores),
-                               decode_prefix=_taskset(self.decode_cores))
-        return ServicePair(
-            [*prefill_args, "--host", PREFILL_ADDRESS], [*decode_args, "--host", DECODE_ADDRESS],
-            log_dir=self.log_dir, env=TCP_ONLY,
-            prefill_prefix=[*link.prefix("prefill"), *_taskset(self.prefill_cores)],
-            decode_prefix=[*link.prefix("decode"), *_taskset(self.decode_cores)])
+        return start_services(self.service_args, self.log_dir,
+                              (self.prefill_cores, self.decode_cores), link, pace_gbps)
 
     def _point(self, pair: ServicePair, link: EmulatedLink | None, S: int, rate: LinkRate,
                gbps: float) -> None:
