@@ -5,8 +5,9 @@ A `Transfer` moves through `TransferState` (ordered, as SGLang's `KVPoll`; FAILE
     NEGOTIATING  decode: from opening the transfer until the plan has arrived;
                  prefill: from the call's arrival, through the decision, the queue for compute and
                  the prefill, until the first message is posted
-    BOUNDARY     h_c (or the token ids) in flight
-    PREFIX       the prefix layers in flight
+    BOUNDARY     h_c (or the token ids) in flight (decode: until its first chunk is in)
+    PREFIX       the prefix layers in flight (a streamed handoff's sender goes here from
+                 NEGOTIATING: its prefix leaves first, and the boundary after it)
     JOINING      decode: the suffix and the prefix branch joining; prefill: the last bytes leaving
     DONE         the cache is complete (decode), every byte has left (prefill)
     FAILED       ended by an error, a passed deadline or a cancel; terminal
