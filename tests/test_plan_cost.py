@@ -141,3 +141,23 @@ def test_the_reported_loads_move_the_work_to_the_idle_pool():
     assert busy_prefill.action.cut < idle[0].action.cut or busy_prefill.action.cut == 0
     assert busy_decode.action.cut > busy_prefill.action.cut
     assert busy_prefill.load_ms == 8 * busy_prefill.prefill_ms
+
+
+def test_a_prefill_backlog_moves_the_cut_down_and_a_busy_decode_moves_it_up():
+    def best(**kwargs):
+        inputs = _streamed(10.0, gamma=20.0, gamma_p=20.0, **kwargs)
+        return min(choose(inputs, ["bf16"]), key=lambda p: p.total_ms + p.load_ms).action.cut
+
+    # a decode worker sharing its compute four ways leaves the layers to an idle prefill
+    busy_decode = _streamed(10.0, gamma=80.0, gamma_p=20.0)
+    assert min(choose(busy_decode, ["bf16"]), key=lambda p: p.total_ms).action.cut == L
+    # a prefill worker with 600 ms of compute queued ahead: the decode side takes more layers,
+    # and token-only waits for nothing
+    backlog = best(prefill_wait_ms=600.0)
+    assert backlog < L
+    token = predict(Action.token_only(L), _streamed(10.0, gamma=20.0, prefill_wait_ms=600.0))
+    assert token.total_ms == pytest.approx(predict(Action.token_only(L), _streamed(
+        10.0, gamma=20.0)).total_ms)
+    joint = Action("bf16", 15, L)
+    waited = predict(joint, _streamed(10.0, gamma=20.0, prefill_wait_ms=600.0))
+    assert waited.total_ms >= predict(joint, _streamed(10.0, gamma=20.0)).total_ms + 599

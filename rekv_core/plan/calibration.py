@@ -203,13 +203,14 @@ class PrefillCalibration:
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
                     streamed: bool = False, chunk_tokens: int = 0, prefill_queue: int = 0,
-                    decode_queue: int = 0) -> CostInputs:
+                    decode_queue: int = 0, prefill_wait_ms: float = 0.0) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
                           costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
                           prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len),
                           streamed=streamed, chunk_tokens=chunk_tokens,
-                          prefill_queue=prefill_queue, decode_queue=decode_queue)
+                          prefill_queue=prefill_queue, decode_queue=decode_queue,
+                          prefill_wait_ms=prefill_wait_ms)
 
     def observe_prefill(self, layers: int, prompt_len: int, seconds: float) -> None:
         """Learn γ_p's scale from a prefill of `layers` layers that took `seconds`."""

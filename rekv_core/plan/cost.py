@@ -10,8 +10,8 @@ first-token logits.
 
 The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` false:
 
-- token-only (c = 0): T = L·γ_p + lat + m + tokens/W + L·γ + J
-- otherwise: T = L·γ_p + H + max(X, R) + J, where
+- token-only (c = 0): T = P_w + L·γ_p + lat + m + tokens/W + L·γ + J
+- otherwise: T = P_w + L·γ_p + H + max(X, R) + J, where
     H = lat + m + B_H/W                  (boundary; transfer-only: the first layer's latency)
     X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire)
     R = (L − c)·γ
@@ -21,11 +21,14 @@ Streamed (the prefill sends each layer as it computes it, stops at the cut, then
 in chunks; the decode side starts its layers on each chunk): with one layer's step s = γ_p + α_b
 and its wire time w = B_layer/W + m,
 
-- token-only: T = lat + m + tokens/W + L·γ + J (the prefill computes nothing);
-- the prefix is on the decode side at E = max(c·s + w, s + c·w) (the link serializes what the
-  prefill produces), restored one layer later;
+- token-only: T = lat + m + tokens/W + L·γ + J (the prefill computes nothing, and waits for
+  nothing);
+- the prefix is on the decode side at E = P_w + max(c·s + w, s + c·w) (the link serializes what
+  the prefill produces, from when the prefill worker may compute, P_w after the request's
+  arrival: the compute queued ahead of it), restored one layer later;
 - transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
-- otherwise the chunks follow the prefix on the link from max(c·s, E) on, each (rows·d·2)/W + m,
+- otherwise the chunks follow the prefix on the link from max(P_w + c·s, E) on, each
+  (rows·d·2)/W + m,
   and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done:
   T = lat + max(suffix end, E + restore_b(1 layer)) + J.
 
@@ -64,6 +67,7 @@ class CostInputs:
     streamed: bool = False  # sent from inside the prefill, which stops at the cut
     chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
+    prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
     decode_queue: int = 0  # other handoffs sharing the decode worker's compute
 
     def __post_init__(self) -> None:
@@ -124,14 +128,15 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     step = inputs.prefill_ms_per_layer + alpha
     layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, S, shape.head_dim))
     w = (layer.prefix + layer.scales) / per_ms + m
-    prefix_end = max(c * step + w, step + c * w)
+    wait = inputs.prefill_wait_ms
+    prefix_end = wait + max(c * step + w, step + c * w)
     prefill = c * inputs.prefill_ms_per_layer
     if c == L:
         end = prefix_end + wire.head / per_ms + m + restore
         return Prediction(action, lat + end + join, lat + step, end - step, 0.0, join,
                           wire.total, prefill)
     r = (L - c) * gamma
-    arrived = max(c * step, prefix_end)
+    arrived = max(wait + c * step, prefix_end)
     first = None
     suffix_end = 0.0
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
@@ -151,10 +156,11 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     gamma = inputs.suffix_ms_per_layer
     m = inputs.message_ms
     prefill = L * inputs.prefill_ms_per_layer
+    start = inputs.prefill_wait_ms + prefill  # the handoff starts once the prefill is done
     if c == 0:
         h = inputs.link_latency_ms + m + wire.tokens / bytes_per_ms
         r = L * gamma
-        return Prediction(action, prefill + h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms,
+        return Prediction(action, start + h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms,
                           wire.total, prefill)
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
@@ -163,7 +169,7 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
          + c * m)
     r = (L - c) * gamma
-    return Prediction(action, prefill + h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
+    return Prediction(action, start + h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
                       wire.total, prefill)
 
 

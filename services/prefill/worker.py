@@ -6,10 +6,11 @@ the boundary chunk size the decode worker asks for; or the call's forced schedul
 `decide(call, schedule, queue)` asks the planner (forced actions too, which the planner evaluates);
 `handoff(call, decision, schedule, transfer)` prefills the prompt, one at a time (one model, one
 device), streamed: layer by layer up to the cut, each sent as it is computed, the compute released
-once the cut is reached; else every layer, then the handoff; and returns when every byte has left,
-within the transfer's deadline. Sends to one decode address share one sender
-(one UCX endpoint), replaced once its peer is found gone. `handoff_memory(prompt_len)` is what one
-handoff holds, for admission control. Thread-safe.
+once the cut is reached (token-only does not wait for it); else every layer, then the handoff; and
+returns when every byte has left, within the transfer's deadline. `backlog` is the predicted
+compute queued here, which the planner takes as a new request's wait for the prefill. Sends to
+one decode address share one sender (one UCX endpoint), replaced once its peer is found gone.
+`handoff_memory(prompt_len)` is what one handoff holds, for admission control. Thread-safe.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class PrefillWorker(Worker):
         self.planner = Planner(policy)
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self._compute = threading.Lock()
+        self.backlog = _Backlog()  # the prefill compute queued or running here
         self.faults = Faults(settings.fault_inject, settings.fault_hold_s)
         metrics.link.set(self.calibration.link_gbps(0.0))
         metrics.transport_pending.set_function(
@@ -89,7 +91,8 @@ class PrefillWorker(Worker):
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
             prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1,
-                                                  call.offer.queue_depth - 1))
+                                                  call.offer.queue_depth - 1),
+            prefill_wait_ms=self.backlog.ms)
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
                                        link_measured=costs.link_gbps > 0)
@@ -112,10 +115,14 @@ class PrefillWorker(Worker):
         action = decision.action
         sender = self.senders.to(call.offer.address)
         self.faults.at_negotiation(call.request_id, transfer)
-        if not self._compute.acquire(timeout=transfer.wait_s()):
+        layers = action.cut if schedule.streamed else self.shape.num_layers
+        queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
+            len(call.token_ids)))
+        if layers and not self._compute.acquire(timeout=transfer.wait_s()):
+            queued()
             raise TimeoutError(f"transfer {call.transfer_id}: no turn to compute before its "
                                f"deadline")
-        release = _Once(self._compute.release)
+        release = _Once(lambda: (self._compute.release() if layers else None, queued()))
         try:
             transfer.check()
             started = time.perf_counter()
@@ -138,7 +145,6 @@ class PrefillWorker(Worker):
         finally:
             release()
         send_s = time.perf_counter() - send_start
-        layers = action.cut if schedule.streamed else self.shape.num_layers
         if schedule.streamed:  # the sends ran beside the compute: no link figure in them
             prefill_s = source.compute_s
         else:
@@ -148,6 +154,29 @@ class PrefillWorker(Worker):
 
     def close(self) -> None:
         self.senders.shutdown()
+
+
+class _Backlog:
+    """The predicted compute (ms) of the handoffs waiting for this worker's compute or running:
+    the wait a new request's prefill has ahead of it. Thread-safe."""
+
+    def __init__(self):
+        self._ms, self._lock = 0.0, threading.Lock()
+
+    @property
+    def ms(self) -> float:
+        with self._lock:
+            return max(0.0, self._ms)
+
+    def add(self, ms: float) -> _Once:
+        """Count `ms` in; the returned callable takes it out again (once)."""
+        with self._lock:
+            self._ms += ms
+
+        def take_out() -> None:
+            with self._lock:
+                self._ms -= ms
+        return _Once(take_out)
 
 
 class _Once:
