@@ -20,12 +20,9 @@ and streamed), the median of requests 2.. against the best forced median, and th
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rekv_cli.launcher import ServicePair  # noqa: E402
-from rekv_cli.linkbench.netns import (  # noqa: E402
-    DECODE_ADDRESS,
-    PREFILL_ADDRESS,
-    EmulatedLink,
-    unavailable,
+from rekv_cli.linkbench.netns import EmulatedLink, unavailable  # noqa: E402
+from rekv_cli.linkbench.sweep import (  # noqa: E402
+    LinkBenchConfig,
+    run_client,
+    service_layout,
+    start_services,
 )
-from rekv_cli.linkbench.sweep import TCP_ONLY, split_cores  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
@@ -63,32 +60,13 @@ def draw_points(seed: int, count: int, rates: tuple[float, float], lengths: tupl
 
 def client(prefix: list[str], address: str, S: int, cases: list[dict], warmups: int, runs: int,
            seed: int) -> list[dict]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
-        path = out.name
-    vocab = get_preset(DEFAULT_MODEL).vocab_size
-    command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,
-               "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(cases),
-               "--warmups", str(warmups), "--runs", str(runs), "--seed", str(seed),
-               "--out", path]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"link client failed: {result.stderr[-3000:]}")
-    data = json.loads(Path(path).read_text())
-    Path(path).unlink()
-    return data
+    return run_client(prefix, address, S, get_preset(DEFAULT_MODEL).vocab_size, cases,
+                      LinkBenchConfig(warmups=warmups, runs=runs), seed)
 
 
 def services(link: EmulatedLink | None, gbps: float, args, log_dir: Path) -> ServicePair:
-    sides = split_cores(os.sched_getaffinity(0))
-    pins = [["taskset", "-c", ",".join(map(str, cores))] for cores in sides] if sides else [[], []]
-    common = ["--dtype", args.dtype, "--torch-threads", str(len(sides[0]) if sides else 1)]
-    if link is None:
-        return ServicePair([*common, "--pace-gbps", str(gbps)], common, log_dir=log_dir,
-                           prefill_prefix=pins[0], decode_prefix=pins[1])
-    return ServicePair([*common, "--host", PREFILL_ADDRESS], [*common, "--host", DECODE_ADDRESS],
-                       log_dir=log_dir, env=TCP_ONLY,
-                       prefill_prefix=[*link.prefix("prefill"), *pins[0]],
-                       decode_prefix=[*link.prefix("decode"), *pins[1]])
+    cores, service_args = service_layout(["--dtype", args.dtype])
+    return start_services(service_args, log_dir, cores, link=link, pace_gbps=gbps)
 
 
 def run_point(point: dict, args, log_dir: Path, index: int) -> dict:

@@ -14,8 +14,9 @@ schedule (the handoff from inside a prefill that stops at the cut) for full BF16
 transfer-only, token-only, BF16 recompute and joint int8 at each cut with the boundary in chunks,
 joint int8 with it in one message, then the planner's own choice (no forced action or schedule).
 Where the machine has two cores or more, each service is pinned to its own half of them
-(`taskset`), with as many torch threads as cores, and the balanced rate is measured under the same pinning: two nodes do not share cores, and without
-the pinning the decode side's recompute and the prefill side's encoding and sends would compete.
+(`taskset`), with as many torch threads as cores, and the balanced rate is measured under the same
+pinning: two nodes do not share cores, and without the pinning the decode side's recompute and the
+prefill side's encoding and sends would compete.
 Per point it reports medians with 95% bootstrap intervals of TTFT from Generate's arrival on the
 decode worker (and the median handoff time, from the end of the prefill to the complete cache),
 speedups over the baseline, each schedule's best case, the best case, and whether the planner's
@@ -240,7 +241,7 @@ class _Sweep:
                gbps: float) -> None:
         started = time.perf_counter()
         client_prefix = link.prefix("decode") if link else []
-        results = _run_client(client_prefix, pair.decode_address, S, self.shape.vocab_size,
+        results = run_client(client_prefix, pair.decode_address, S, self.shape.vocab_size,
                               self.actions, self.config)
         point_rows = [row(self.shape, S, rate, gbps, r) for r in results]
         for r in point_rows:
@@ -266,13 +267,16 @@ class _Sweep:
                 "service_args": self.service_args}
 
 
-def _run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
-                config: LinkBenchConfig) -> list[dict]:
+def run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
+               config: LinkBenchConfig, seed: int = 0) -> list[dict]:
+    """The link client (`rekv_cli.linkbench.client`) under `prefix` (e.g. inside the decode
+    namespace): `config.warmups` and `config.runs` requests per case of `actions`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = out.name
     command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,
                "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(actions),
-               "--warmups", str(config.warmups), "--runs", str(config.runs), "--out", path]
+               "--warmups", str(config.warmups), "--runs", str(config.runs), "--seed", str(seed),
+               "--out", path]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"link client failed: {result.stderr[-3000:]}")

@@ -149,8 +149,7 @@ def _recompute_prompt(model: Model, inbound: Inbound, action: Action, S: int, ca
 @dataclass(frozen=True)
 class _Suffix:
     logits: torch.Tensor
-    boundary_at: float  # the first chunk in hand
-    began: float
+    began: float  # the first chunk in hand, its compute starting
     ended: float
     compute_s: float  # the chunks' compute, without the waits between them
 
@@ -160,13 +159,12 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
     cuda = model.device.type == "cuda"
     shape = (model.shape.hidden_size,)
     h = None
-    boundary_at = began = 0.0
-    compute = 0.0
+    began = compute = 0.0
     for index, (s0, s1) in enumerate(plan.boundary_chunks):
         rows = bf16_tensor(incoming.next_chunk(index), (s1 - s0, *shape), model)
         now = time.perf_counter()
         if index == 0:
-            boundary_at = began = now
+            began = now
             incoming.inbound.transfer.advance(TransferState.PREFIX)
         h = run_layers_chunk(model, rows, plan.cut, s0, cache)
         if cuda:
@@ -175,7 +173,7 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
     logits = final_logits(model, h[-1])
     if cuda:
         torch.cuda.current_stream(model.device).synchronize()
-    return _Suffix(logits, boundary_at, began, time.perf_counter(), compute)
+    return _Suffix(logits, began, time.perf_counter(), compute)
 
 
 def _join(worker: threading.Thread, inbound: Inbound) -> None:
@@ -219,7 +217,7 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
     inbound.transfer.advance(TransferState.JOINING)
 
     received = WireBytes(boundary=S * hidden * BF16_BYTES if suffix else 0)
-    boundary_at = suffix.boundary_at if suffix else start
+    boundary_at = suffix.began if suffix else start
     join_start = max(incoming.done, suffix.ended if suffix else 0.0)
     if suffix is None:
         logits = final_logits(model, bf16_tensor(incoming.head, (hidden,), model))
