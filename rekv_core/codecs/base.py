@@ -7,8 +7,13 @@ A codec
 - `decode(encoded)`: back to K and V in the source dtype, on the buffers' device. Before decoding it
   checks the codec name, shape, buffer names, dtypes and sizes against `buffer_layout()` and every
   checksum; any mismatch raises `CorruptPayloadError` naming what is wrong, never a wrong tensor;
-- `buffer_layout(shape)` / `payload_bytes(shape)`: the exact wire bytes as a function of the shape,
-  without encoding anything (headers are not payload).
+- `buffer_layout(shape, meta)` / `payload_bytes(shape)`: the exact wire bytes as a function of the
+  shape and of the header's codec-specific `meta` (a JSON object; empty for codecs whose sizes
+  follow from the shape alone), without encoding anything (headers are not payload). With
+  `meta=None` a codec whose sizes depend on the data (an escape count) gives its expected layout,
+  which planning uses.
+- `encode(k, v, context=...)`: a codec that needs more than K and V (per-token importance) reads it
+  from `EncodeContext`; the others ignore it.
 
 Codecs know tensors and bytes, not what a layer means: the handoff decides which layer goes in
 which codec. `register_codec` adds a codec class to the registry; `get_codec(name)` builds one.
@@ -50,6 +55,7 @@ class EncodedKV:
     buffers: dict[str, torch.Tensor]  # ordered: the wire order
     checksum_algorithm: str = "crc32"
     checksums: dict[str, int] = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # codec-specific header fields (JSON values)
 
     @property
     def payload_bytes(self) -> int:
@@ -58,7 +64,8 @@ class EncodedKV:
     def header(self) -> dict:
         return {"codec": self.codec, "shape": list(self.shape), "dtype": self.dtype,
                 "buffers": {name: b.numel() for name, b in self.buffers.items()},
-                "checksum_algorithm": self.checksum_algorithm, "checksums": self.checksums}
+                "checksum_algorithm": self.checksum_algorithm, "checksums": self.checksums,
+                "meta": self.meta}
 
     def header_bytes(self) -> bytes:
         body = json.dumps(self.header(), separators=(",", ":")).encode()
@@ -75,8 +82,9 @@ class EncodedKV:
             meta = json.loads(header[5:])
             return cls(codec=meta["codec"], shape=tuple(meta["shape"]), dtype=meta["dtype"],
                        buffers=dict(buffers), checksum_algorithm=meta["checksum_algorithm"],
-                       checksums={k: int(v) for k, v in meta["checksums"].items()})
-        except (ValueError, KeyError, TypeError) as exc:
+                       checksums={k: int(v) for k, v in meta["checksums"].items()},
+                       meta=meta.get("meta", {}))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptPayloadError(f"header: unreadable ({exc})") from exc
 
 
@@ -92,23 +100,41 @@ def check_kv_pair(k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int]:
     return tuple(k.shape)
 
 
+@dataclass(frozen=True)
+class EncodeContext:
+    """What a codec may use besides K and V. `token_importance`: one score per token `[S]` (higher
+    is more important), from the prefill's attention (`rekv_core.model.importance`)."""
+
+    token_importance: torch.Tensor | None = None
+
+
 class Codec(ABC):
     name: str = ""
     lossless: bool = False  # decode(encode(x)) == x for caches of the working dtype: always eligible
     restore_is_copy: bool = False  # decode is a dtype view and a copy, no arithmetic
 
     @abstractmethod
-    def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
-        """Buffer names in wire order -> exact bytes, for K and V of `shape` each."""
+    def buffer_layout(self, shape: tuple[int, int, int], meta: dict | None = None
+                      ) -> dict[str, int]:
+        """Buffer names in wire order -> exact bytes, for K and V of `shape` each, given the
+        header's `meta` (validated by `check_meta` first); `meta=None`: the expected layout, for
+        planning."""
 
     @abstractmethod
-    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Inputs are validated and contiguous; return the buffers named by `buffer_layout`."""
+    def _encode(self, k: torch.Tensor, v: torch.Tensor, context: EncodeContext
+                ) -> tuple[dict[str, torch.Tensor], dict]:
+        """Inputs are validated and contiguous; return the buffers named by `buffer_layout` and the
+        header's `meta`."""
 
     @abstractmethod
     def _decode(self, buffers: dict[str, torch.Tensor], shape: tuple[int, int, int],
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers are validated against the layout and their checksums."""
+                dtype: torch.dtype, meta: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers are validated against the layout and their checksums, `meta` by `check_meta`."""
+
+    def check_meta(self, meta: dict, shape: tuple[int, int, int]) -> None:
+        """Raise `CorruptPayloadError` naming the field of a received `meta` that is wrong."""
+        if meta:
+            raise CorruptPayloadError(f"meta: {self.name} carries none, got {sorted(meta)}")
 
     def check_shape(self, shape: tuple[int, int, int]) -> None:
         """Raise `ValueError` naming the dimension this codec cannot encode."""
@@ -118,14 +144,15 @@ class Codec(ABC):
     def payload_bytes(self, shape: tuple[int, int, int]) -> int:
         return sum(self.buffer_layout(shape).values())
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True) -> EncodedKV:
+    def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True,
+               context: EncodeContext = EncodeContext()) -> EncodedKV:
         shape = check_kv_pair(k, v)
         self.check_shape(shape)
-        buffers = self._encode(k.contiguous(), v.contiguous())
+        buffers, meta = self._encode(k.contiguous(), v.contiguous(), context)
         algorithm = default_algorithm(k.device)
         sums = checksums_of(buffers, algorithm) if checksums else {}
         return EncodedKV(codec=self.name, shape=shape, dtype=dtype_name(k.dtype), buffers=buffers,
-                         checksum_algorithm=algorithm, checksums=sums)
+                         checksum_algorithm=algorithm, checksums=sums, meta=meta)
 
     def decode(self, encoded: EncodedKV, verify: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         if encoded.codec != self.name:
@@ -138,7 +165,10 @@ class Codec(ABC):
             self.check_shape(shape)
         except ValueError as exc:
             raise CorruptPayloadError(str(exc)) from exc
-        layout = self.buffer_layout(shape)
+        if not isinstance(encoded.meta, dict):
+            raise CorruptPayloadError(f"meta: must be an object, got {type(encoded.meta).__name__}")
+        self.check_meta(encoded.meta, shape)
+        layout = self.buffer_layout(shape, encoded.meta)
         if list(encoded.buffers) != list(layout):
             raise CorruptPayloadError(f"buffers: got {list(encoded.buffers)}, "
                                       f"{self.name} needs {list(layout)}")
@@ -155,7 +185,7 @@ class Codec(ABC):
         if verify:
             self._verify(encoded)
         buffers = {name: b.contiguous() for name, b in encoded.buffers.items()}
-        return self._decode(buffers, shape, _DTYPES[encoded.dtype])
+        return self._decode(buffers, shape, _DTYPES[encoded.dtype], encoded.meta)
 
     @staticmethod
     def _verify(encoded: EncodedKV) -> None:

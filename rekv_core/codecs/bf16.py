@@ -14,14 +14,15 @@ class BF16Codec(Codec):
     lossless = True
     restore_is_copy = True
 
-    def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
+    def buffer_layout(self, shape: tuple[int, int, int], meta: dict | None = None
+                      ) -> dict[str, int]:
         n = shape[0] * shape[1] * shape[2] * BF16_BYTES
         return {"k": n, "v": n}
 
-    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode(self, k, v, context):
         return {name: t.to(torch.bfloat16).reshape(-1).view(torch.uint8)
-                for name, t in (("k", k), ("v", v))}
+                for name, t in (("k", k), ("v", v))}, {}
 
-    def _decode(self, buffers, shape, dtype):
+    def _decode(self, buffers, shape, dtype, meta):
         return tuple(buffers[name].view(torch.bfloat16).reshape(shape).to(dtype)
                      for name in ("k", "v"))

@@ -26,20 +26,21 @@ class GroupwiseIntCodec(Codec):
             raise ValueError(f"head_dim: {self.name} needs a multiple of {GROUP_SIZE}, "
                              f"got {shape[2]}")
 
-    def buffer_layout(self, shape: tuple[int, int, int]) -> dict[str, int]:
+    def buffer_layout(self, shape: tuple[int, int, int], meta: dict | None = None
+                      ) -> dict[str, int]:
         numel = shape[0] * shape[1] * shape[2]
         codes, scales = numel * self.bits // 8, numel // GROUP_SIZE * BF16_BYTES  # FP16 scales
         return {"k.codes": codes, "k.scales": scales, "v.codes": codes, "v.scales": scales}
 
-    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _encode(self, k, v, context):
         buffers = {}
         for name, t in (("k", k), ("v", v)):
             codes, scales = quantize_groupwise(t, self.bits, self.backend)
             buffers[f"{name}.codes"] = codes
             buffers[f"{name}.scales"] = scales.view(torch.uint8)
-        return buffers
+        return buffers, {}
 
-    def _decode(self, buffers, shape, dtype):
+    def _decode(self, buffers, shape, dtype, meta):
         return tuple(dequantize_groupwise(buffers[f"{name}.codes"],
                                           buffers[f"{name}.scales"].view(torch.float16),
                                           self.bits, shape, dtype, self.backend)
