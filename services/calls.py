@@ -42,6 +42,7 @@ class DecodeOffer:
     costs: DecodeCosts
     accepts_streamed: bool = True  # it takes a streamed handoff
     chunk_tokens: int = 0  # the boundary chunk size it asks for
+    computing: int = 0  # its other requests computing now (generating, or running a suffix)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,7 @@ def handoff_request(call: HandoffCall):
         offer=rekv_pb2.DecodeOffer(
             ucx_address=offer.address, codecs=list(offer.codecs), model=offer.model,
             num_layers=offer.num_layers, queue_depth=offer.queue_depth,
-            handoffs_in_flight=offer.handoffs_in_flight,
+            handoffs_in_flight=offer.handoffs_in_flight, computing=offer.computing,
             suffix_ms_per_layer=costs.suffix_ms_per_layer,
             restore_ms_per_mib=costs.restore_ms_per_mib, join_ms=costs.join_ms,
             message_ms=costs.message_ms, link_gbps=costs.link_gbps,
@@ -181,7 +181,8 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs,
-                          accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk))
+                          accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk,
+                          computing=offer.computing))
 
 
 def _check_data_plane_address(address: str) -> None:

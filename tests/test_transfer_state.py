@@ -170,3 +170,27 @@ def test_an_untrusted_prediction_leaves_the_deadline_alone():
     transfer = Transfer("cold", stall_s=7.0, trust_predictions=False)
     transfer.expect_within(0.0)
     assert transfer.deadline is None and transfer.wait_s() == 7.0
+
+
+def test_the_decode_worker_counts_as_computing_only_what_runs_on_it():
+    """The load a decode worker reports: requests generating and handoffs running their suffix or
+    a token-only recompute; a handoff still waiting for its data is not compute load."""
+    from types import SimpleNamespace
+
+    from services.decode.worker import DecodeWorker
+
+    book = TransferBook()
+    worker = SimpleNamespace(generating=2, transfers=book)
+    waiting = Transfer("waiting", book=book)
+    waiting.advance(TransferState.BOUNDARY)
+    assert DecodeWorker.computing(worker) == 2
+    suffix = Transfer("suffix", book=book)
+    suffix.advance(TransferState.BOUNDARY)
+    suffix.advance(TransferState.PREFIX)
+    recompute = Transfer("recompute", book=book)
+    recompute.advance(TransferState.BOUNDARY)
+    recompute.advance(TransferState.JOINING)
+    assert DecodeWorker.computing(worker) == 4
+    suffix.advance(TransferState.JOINING)
+    suffix.advance(TransferState.DONE)
+    assert DecodeWorker.computing(worker) == 3

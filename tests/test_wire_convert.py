@@ -22,7 +22,8 @@ def _call(**offer_changes) -> HandoffCall:
     costs = DecodeCosts(suffix_ms_per_layer=3.5, restore_ms_per_mib={"int8": 0.2},
                         join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence)
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
-                 codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs)
+                 codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
+                 computing=1)
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
                        bytes(range(32)))

@@ -63,8 +63,12 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                 async with self.slots:
                     handed = await self.handoffs.run(call, ids, context.time_remaining(),
                                                      self.queue)  # 3-6
-                    async for response in self._generate(call, ids, handed, arrived):  # 7, 8
-                        yield response
+                    worker.generating += 1
+                    try:
+                        async for response in self._generate(call, ids, handed, arrived):  # 7, 8
+                            yield response
+                    finally:
+                        worker.generating -= 1
         except BaseException as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from rekv_core.handoff import HandoffResult, receive_handoff
-from rekv_core.handoff.transfer import Transfer
+from rekv_core.handoff.transfer import Transfer, TransferState
 from rekv_core.model import KVCache, decode_steps, prefill
 from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
@@ -37,6 +37,7 @@ class DecodeWorker(Worker):
         self.calibration = DecodeCalibration.for_model(self.model, settings.codecs,
                                                        settings.profile)
         self.receiver = create_receiver(settings.transport, self.transport_options())
+        self.generating = 0  # requests in their decode loop
         metrics.link.set_function(lambda: self.calibration.link_gbps)
         metrics.transport_pending.set_function(lambda: sum(self.receiver.pending().values()))
         metrics.connections.set_function(self.receiver.connections)
@@ -76,13 +77,20 @@ class DecodeWorker(Worker):
                                   f"context of {self.shape.max_positions}")
         return ids
 
+    def computing(self) -> int:
+        """Requests whose compute runs here now: generating, or a handoff's suffix or token-only
+        recompute. A handoff still waiting for its data computes nothing yet."""
+        running = (TransferState.PREFIX, TransferState.JOINING)
+        return self.generating + sum(self.transfers.count(state) for state in running)
+
     def offer(self, prompt_len: int, load: int, queue: int) -> DecodeOffer:
         return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
                            address=self.receiver.address, codecs=tuple(self.settings.codecs),
                            queue_depth=queue, handoffs_in_flight=load,
                            costs=self.calibration.offer(prompt_len, load),
                            accepts_streamed=True,
-                           chunk_tokens=self.settings.boundary_chunk_tokens)
+                           chunk_tokens=self.settings.boundary_chunk_tokens,
+                           computing=self.computing())
 
     def receive(self, transfer: Transfer, prompt_len: int, max_new_tokens: int, key: bytes
                 ) -> HandoffResult:

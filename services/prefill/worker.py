@@ -85,13 +85,13 @@ class PrefillWorker(Worker):
 
     def decide(self, call: HandoffCall, schedule: Schedule, queue: int = 0) -> Decision:
         """`queue`: this worker's other handoffs, waiting or running. The decode worker's other
-        requests (handoffs in flight, or requests queued or generating) wait for a suffix it
-        computes, which the planner weighs (`cost.predict`'s load term)."""
+        requests computing there (generating, or running a suffix) share its compute with a
+        suffix it runs for this one, which the planner weighs (`cost.predict`'s load term);
+        handoffs there still waiting for their data do not."""
         costs = call.offer.costs
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
-            prefill_queue=queue, decode_queue=max(0, call.offer.handoffs_in_flight - 1,
-                                                  call.offer.queue_depth - 1),
+            prefill_queue=queue, decode_queue=call.offer.computing,
             prefill_wait_ms=self.backlog.ms)
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
