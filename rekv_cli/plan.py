@@ -44,7 +44,11 @@ def add_plan_parsers(sub) -> None:
     gate.add_argument("--prompt-len", type=int, default=2048)
     gate.add_argument("--prompts", type=int, default=32)
     gate.add_argument("--continuation", type=int, default=256)
-    gate.add_argument("--codecs", type=csv_of(str), default=["int8", "int4"])
+    gate.add_argument("--codecs", type=csv_of(str),
+                      default=["int8", "int4", "int4h", "spectrum30", "spectrum50", "splitzip"])
+    gate.add_argument("--probe-context", type=int, default=4096,
+                      help="prompt tokens of SpectrumKV's INT4 probe, run when a spectrum codec "
+                           "is gated (its verdict goes into the policy); 0: skip the probe")
     gate.add_argument("--cuts", type=csv_of(int), default=None,
                       help="cuts to evaluate (default every 3rd layer and L)")
     gate.add_argument("--epsilon", type=float, default=0.01,
@@ -105,7 +109,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     from rekv_core.codecs import get_codec
     from rekv_core.model.tokenizer import load_tokenizer
-    from rekv_core.plan.gate import GateConfig, run_gate
+    from rekv_core.plan.gate import GateConfig, probe_spectrum, run_gate
 
     for codec in args.codecs:
         get_codec(codec)
@@ -131,17 +135,24 @@ def cmd_gate(args: argparse.Namespace) -> int:
                       progress=console.log)
     policy.meta.update({"text": Path(args.text).name,
                         "command": "rekv " + " ".join(sys.argv[1:])})
+    if args.probe_context and any(get_codec(c).importance_window for c in args.codecs):
+        probe = probe_spectrum(model, tokenizer, args.probe_context, progress=console.log)
+        policy.meta["spectrum_probe"] = probe
+        print(f"SpectrumKV probe at {args.probe_context} tokens: INT4 "
+              f"{'tolerated' if probe['int4_tolerated'] else 'not tolerated'} -> "
+              f"{probe['tiers']} tiers")
     policy.save(args.out)
     table = Table(title=f"Quality gate, {model.shape.name}, S = {args.prompt_len}, "
                         f"{args.prompts} prompts + {args.continuation} tokens")
     for column in ("codec", "cut", "eligible", "next-token top-1", "next-token KL",
-                   "cont. top-1", "ppl rise", "passkeys", "why not"):
+                   "cont. top-1", "ppl rise", "passkeys", "bytes/layer", "why not"):
         table.add_column(column)
     for v in policy.verdicts:
         table.add_row(v["codec"], str(v["cut"]), "yes" if v["eligible"] else "no",
                       f"{v['next_token_top1_agreement']:.3f}", f"{v['next_token_kl']:.2e}",
                       f"{v['continuation_top1_agreement']:.3f}", f"{v['perplexity_rise']:+.3%}",
                       f"{sum(n['found'] for n in v['needles'])}/{len(v['needles'])}",
+                      f"{v['bytes_per_layer'] / v['bf16_bytes_per_layer']:.3f}×BF16",
                       "; ".join(v["reasons"]))
     Console(width=180).print(table)
     print(f"BF16 perplexity {policy.verdicts[0]['bf16_perplexity']:.3f}; passkeys found by BF16: "

@@ -107,11 +107,23 @@ class EncodeContext:
 
     token_importance: torch.Tensor | None = None
 
+    @classmethod
+    def for_timing(cls, codec: Codec, k: torch.Tensor) -> EncodeContext:
+        """What `codec` needs to encode K `[n_kv, S, d_h]` when only its cost is measured: a fixed
+        ranking (earlier tokens first) where it ranks tokens, nothing otherwise."""
+        if codec.importance_window <= 0:
+            return cls()
+        S = k.shape[1]
+        return cls(torch.linspace(1.0, 0.0, S, device=k.device) if S > 1
+                   else torch.ones(S, device=k.device))
+
 
 class Codec(ABC):
     name: str = ""
-    lossless: bool = False  # decode(encode(x)) == x for caches of the working dtype: always eligible
+    lossless: bool = False  # decode(encode(x)) == x for working-dtype caches: always eligible
     restore_is_copy: bool = False  # decode is a dtype view and a copy, no arithmetic
+    importance_window: int = 0  # > 0: encode needs `EncodeContext.token_importance` from the
+    #   prefill's last that many queries (`model.importance`)
 
     @abstractmethod
     def buffer_layout(self, shape: tuple[int, int, int], meta: dict | None = None

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 
 from rekv_core import streams
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import EncodeContext, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
 from rekv_core.handoff.source import FinishedPrefill, PrefillSource
@@ -145,7 +145,8 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         streams.follow(stream, source.device)  # after the compute that produced the layer
         start = time.perf_counter()
         with streams.on_stream(stream):
-            encoded = codec.encode(layer.keys, layer.values)
+            encoded = codec.encode(layer.keys, layer.values,
+                                   context=EncodeContext(token_importance=layer.importance))
         quantize += time.perf_counter() - start
         send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
              state=TransferState.PREFIX)

@@ -8,7 +8,8 @@ hidden state (`head()`); the latter two only once `layers()` is exhausted.
   the handoff starts once the prefill is done, and the boundary goes first).
 - `LivePrefill(model, token_ids, cut)`: runs the prefill one layer at a time as the sender asks for
   the next one, so layer i is encoded and on the wire while layer i+1 computes, and stops at the
-  cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). Its
+  cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). With
+  `importance_window` each layer also carries its tokens' importance (for `spectrum`). Its
   compute runs on the caller's current stream; a sender that encodes on a stream of its own waits
   for that stream per layer. `on_done` is called once, when the last layer is computed or the
   source is closed, whichever is first (the prefill service releases its compute lock there), and
@@ -32,6 +33,7 @@ class ProducedLayer:
     index: int
     keys: torch.Tensor  # [n_kv, S, d_h]
     values: torch.Tensor
+    importance: torch.Tensor | None = None  # [S], for codecs that rank tokens
 
 
 class PrefillSource(Protocol):
@@ -53,8 +55,10 @@ class FinishedPrefill:
         self.device = state.keys[0].device if state.keys else torch.device("cpu")
 
     def layers(self) -> Iterator[ProducedLayer]:
+        scores = self.state.importance
         for index in range(self.cut):
-            yield ProducedLayer(index, self.state.keys[index], self.state.values[index])
+            yield ProducedLayer(index, self.state.keys[index], self.state.values[index],
+                                scores[index] if index < len(scores) else None)
 
     def boundary(self) -> torch.Tensor:
         return self.state.hidden[self.cut]
@@ -67,10 +71,11 @@ class LivePrefill:
     streamed = True
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
-                 on_done: Callable[[], None] | None = None):
+                 on_done: Callable[[], None] | None = None, importance_window: int = 0):
         if not 0 <= cut <= model.shape.num_layers:
             raise ValueError(f"cut: must lie in [0, {model.shape.num_layers}], got {cut}")
         self.model, self.token_ids, self.cut = model, token_ids, cut
+        self.importance_window = importance_window
         self.device = model.device
         self.compute_s = 0.0
         self._on_done = on_done
@@ -85,9 +90,10 @@ class LivePrefill:
         try:
             with torch.inference_mode():
                 h = embed(model, self.token_ids)
-                for step in iter_layers(model, h, 0, self.cut):
+                for step in iter_layers(model, h, 0, self.cut,
+                                        importance_window=self.importance_window):
                     self.compute_s += time.perf_counter() - started
-                    yield ProducedLayer(step.index, step.keys, step.values)
+                    yield ProducedLayer(step.index, step.keys, step.values, step.importance)
                     started = time.perf_counter()
                     h = step.hidden_out
             self._h = h

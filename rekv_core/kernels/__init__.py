@@ -1,9 +1,10 @@
-"""Quantizer and checksum kernels, each beside its PyTorch reference.
+"""Quantizer, SplitZip and checksum kernels, each beside its PyTorch reference.
 
-`quantize_groupwise` / `dequantize_groupwise` and `wsum64` pick the backend: the Triton kernel for
-CUDA tensors, the PyTorch reference otherwise; `backend="triton"` forces the kernel (on the CPU it
-then needs `TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only
-when used.
+`quantize_groupwise` / `dequantize_groupwise`, `quantize_tokens` / `dequantize_tokens` (SpectrumKV's
+per-token tiers), `splitzip_encode` / `splitzip_decode`, `quantize_int4h` / `dequantize_int4h`
+(Hadamard-rotated INT4) and `wsum64` pick the backend: the Triton kernel for CUDA tensors, the
+PyTorch reference otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
+`TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only when used.
 """
 
 from __future__ import annotations
@@ -13,6 +14,13 @@ import torch
 from rekv_core.kernels.checksum_reference import wsum64_reference
 from rekv_core.kernels.groupwise_reference import (GROUP_SIZE, dequantize_reference,
                                                    quantize_reference)
+from rekv_core.kernels.hadamard_reference import (dequantize_int4h_reference,
+                                                  quantize_int4h_reference)
+from rekv_core.kernels.spectrum_reference import (dequantize_tokens_reference,
+                                                  quantize_tokens_reference)
+from rekv_core.kernels.splitzip_reference import DEFAULT_CHUNK as SPLITZIP_CHUNK
+from rekv_core.kernels.splitzip_reference import ExponentHistogram, calibrate_codebook
+from rekv_core.kernels.splitzip_reference import decode_reference, encode_reference
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -40,6 +48,66 @@ def dequantize_groupwise(codes: torch.Tensor, scales: torch.Tensor, bits: int,
     return dequantize_reference(codes, scales, bits, shape, dtype)
 
 
+def quantize_tokens(x: torch.Tensor, index: torch.Tensor, bits: int, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SpectrumKV: quantize the (head, token) rows of tokens `index` of x `[n_kv, S, d]`
+    (contract in `spectrum_reference.py`)."""
+    if _use_triton(x.device, backend):
+        from rekv_core.kernels.spectrum_triton import quantize_tokens_triton
+        return quantize_tokens_triton(x, index, bits)
+    return quantize_tokens_reference(x, index, bits)
+
+
+def dequantize_tokens(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, bits: int,
+                      out: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """SpectrumKV: write the restored rows of tokens `index` into out `[n_kv, S, d]`."""
+    if _use_triton(out.device, backend):
+        from rekv_core.kernels.spectrum_triton import dequantize_tokens_triton
+        return dequantize_tokens_triton(codes, scales, index, bits, out)
+    return dequantize_tokens_reference(codes, scales, index, bits, out)
+
+
+def splitzip_encode(x: torch.Tensor, codebook: list[int], chunk: int = SPLITZIP_CHUNK,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A BF16 tensor (any shape) -> its SplitZip streams (codes, sm, escapes), 1-D uint8 on its
+    device (contract in `splitzip_reference.py`)."""
+    if _use_triton(x.device, backend):
+        from rekv_core.kernels.splitzip_triton import encode_triton
+        return encode_triton(x, codebook, chunk)
+    return encode_reference(x, codebook, chunk)
+
+
+def splitzip_decode(codes: torch.Tensor, sm: torch.Tensor, escapes: torch.Tensor,
+                    codebook: list[int], n: int, chunk: int = SPLITZIP_CHUNK,
+                    backend: str = "auto") -> torch.Tensor:
+    """SplitZip streams of n elements -> the 1-D BF16 tensor; `ValueError` naming the stream or
+    field that does not fit."""
+    if _use_triton(codes.device, backend):
+        from rekv_core.kernels.splitzip_triton import decode_triton
+        return decode_triton(codes, sm, escapes, codebook, n, chunk)
+    return decode_reference(codes, sm, escapes, codebook, n, chunk)
+
+
+def quantize_int4h(x: torch.Tensor, block: int, backend: str = "auto"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hadamard-rotated INT4: x `[..., d]` -> (codes uint8 `[numel/2]`, (scale, min) fp16
+    `[rows, 2]`); `block=1` skips the rotation (contract in `hadamard_reference.py`)."""
+    if _use_triton(x.device, backend):
+        from rekv_core.kernels.hadamard_triton import quantize_int4h_triton
+        return quantize_int4h_triton(x, block)
+    return quantize_int4h_reference(x, block)
+
+
+def dequantize_int4h(codes: torch.Tensor, scales: torch.Tensor, block: int,
+                     shape: tuple[int, ...], dtype: torch.dtype, backend: str = "auto"
+                     ) -> torch.Tensor:
+    """The inverse of `quantize_int4h`: dequantized and un-rotated, in `dtype`."""
+    if _use_triton(codes.device, backend):
+        from rekv_core.kernels.hadamard_triton import dequantize_int4h_triton
+        return dequantize_int4h_triton(codes, scales, block, shape, dtype)
+    return dequantize_int4h_reference(codes, scales, block, shape, dtype)
+
+
 def wsum64(buffer: torch.Tensor, backend: str = "auto") -> int:
     """The `wsum64` checksum of a 1-D uint8 tensor (contract in `checksum_reference.py`); the Triton
     kernel needs it contiguous."""
@@ -57,5 +125,7 @@ def wsum64_many(buffers: list[torch.Tensor], backend: str = "auto") -> list[int]
     return [wsum64_reference(b) for b in buffers]
 
 
-__all__ = ["BACKENDS", "GROUP_SIZE", "dequantize_groupwise", "quantize_groupwise", "wsum64",
-           "wsum64_many"]
+__all__ = ["BACKENDS", "GROUP_SIZE", "SPLITZIP_CHUNK", "ExponentHistogram", "calibrate_codebook",
+           "dequantize_groupwise", "dequantize_int4h", "dequantize_tokens", "quantize_groupwise",
+           "quantize_int4h", "quantize_tokens",
+           "splitzip_decode", "splitzip_encode", "wsum64", "wsum64_many"]

@@ -37,11 +37,12 @@ CHUNK_GROUPS = 4096
 _HALF = torch.tensor(0.5)
 
 
-def _quantize_groups(groups: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """groups [n, 64] float32 (modified in place) -> (codes int8 [n, 64], scales fp16 [n])."""
-    scales = torch.clamp(groups.abs().amax(dim=1) / qmax, max=FP16_MAX).to(torch.float16)
+def quantize_rows(rows: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax per row: rows `[n, m]` float32 (modified in place) -> (codes int8
+    `[n, m]`, scales fp16 `[n]`). A group of 64 here; a (token, head) row for `spectrum`."""
+    scales = torch.clamp(rows.abs().amax(dim=1) / qmax, max=FP16_MAX).to(torch.float16)
     s = scales.to(torch.float32)
-    y = groups.div_(torch.where(s == 0, torch.ones_like(s), s)[:, None])
+    y = rows.div_(torch.where(s == 0, torch.ones_like(s), s)[:, None])
     # trunc(y ± 0.5) equals sign(y)·floor(|y| + 0.5) bit for bit: fp32 rounding is symmetric.
     codes = y.add_(torch.copysign(_HALF.to(y.device), y)).trunc_().clamp_(-qmax, qmax)
     return codes.to(torch.int8), scales
@@ -57,7 +58,7 @@ def quantize_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.
     per_group = GROUP_SIZE * bits // 8
     for start in range(0, n_groups, CHUNK_GROUPS):
         end = min(start + CHUNK_GROUPS, n_groups)
-        q, scales[start:end] = _quantize_groups(flat[start:end].to(torch.float32, copy=True), qmax)
+        q, scales[start:end] = quantize_rows(flat[start:end].to(torch.float32, copy=True), qmax)
         if bits == 4:
             nibbles = q.add_(8).view(torch.uint8).reshape(-1, 2)
             q = nibbles[:, 0] | (nibbles[:, 1] << 4)

@@ -138,9 +138,12 @@ def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
+QKObserver = Callable[[torch.Tensor, torch.Tensor], None]
+
+
 def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            store: KVStore | None = None, mask: torch.Tensor | None = None,
-           causal_from: int | None = None
+           causal_from: int | None = None, observe: QKObserver | None = None
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The one transformer layer body: attention, then MLP, each around a residual.
 
@@ -148,10 +151,13 @@ def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: to
     recompute). With one, `store(index, K, V)` keeps the new K and V in a cache and returns the
     keys and values to attend to: causally (`_attend_causal`) when `causal_from` gives the first
     position of h, else through `mask` `[n, keys]` (True: attend), or to all of them when it is
-    None. Returns h_out, K, V `[n_kv, n, d_h]`."""
+    None. `observe(q, k)`, if given, sees the layer's queries and keys after RoPE. Returns h_out,
+    K, V `[n_kv, n, d_h]`."""
     lw = model.weights.layers[index]
     eps = model.shape.rms_eps
     q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
+    if observe is not None:
+        observe(q, k)
     if store is None:
         out = attend_causal(q, k, v)
     else:
@@ -170,20 +176,32 @@ class LayerStep:
     keys: torch.Tensor  # [n_kv, S, d_h]
     values: torch.Tensor  # [n_kv, S, d_h]
     hidden_out: torch.Tensor  # [S, d]
+    importance: torch.Tensor | None = None  # [S]: with `importance_window` (`model.importance`)
 
 
 def iter_layers(model: Model, h: torch.Tensor, start: int = 0, stop: int | None = None,
-                positions: torch.Tensor | None = None) -> Iterator[LayerStep]:
-    """Run layers [start, stop) from `h` (the hidden state entering `start`), one at a time."""
+                positions: torch.Tensor | None = None, importance_window: int = 0
+                ) -> Iterator[LayerStep]:
+    """Run layers [start, stop) from `h` (the hidden state entering `start`), one at a time.
+    `importance_window` > 0: each step also scores every token by the attention it receives from
+    the last that many queries (`importance.observation_window_importance`)."""
     stop = model.shape.num_layers if stop is None else stop
     if not 0 <= start <= stop <= model.shape.num_layers:
         raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
     if positions is None:
         positions = torch.arange(h.shape[0], device=h.device)
     cos, sin = model.rope(positions)
+    scores: list[torch.Tensor] = []
+
+    def observe(q: torch.Tensor, k: torch.Tensor) -> None:
+        from rekv_core.model.importance import observation_window_importance
+        scores.append(observation_window_importance(q, k, importance_window))
+
     for index in range(start, stop):
-        h_out, k, v = _layer(model, index, h, cos, sin)
-        yield LayerStep(index=index, hidden_in=h, keys=k, values=v, hidden_out=h_out)
+        h_out, k, v = _layer(model, index, h, cos, sin,
+                             observe=observe if importance_window > 0 else None)
+        yield LayerStep(index=index, hidden_in=h, keys=k, values=v, hidden_out=h_out,
+                        importance=scores.pop() if scores else None)
         h = h_out
 
 
@@ -204,24 +222,28 @@ class PrefillOutput:
     values: list[torch.Tensor]
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # c -> h_c [S, d]
     logits: torch.Tensor | None = None  # [vocab] at the last position
+    importance: list[torch.Tensor] = field(default_factory=list)  # per layer [S], if asked for
 
 
 @torch.inference_mode()
 def prefill(model: Model, token_ids: Sequence[int] | torch.Tensor,
-            boundaries: Collection[int] | None = None) -> PrefillOutput:
+            boundaries: Collection[int] | None = None, importance_window: int = 0
+            ) -> PrefillOutput:
     """Run the prompt through all layers. `boundaries` selects which h_c to keep (c in [0, L]);
-    None keeps all L+1 of them."""
+    None keeps all L+1 of them. `importance_window` > 0: also each layer's token importance."""
     n_layers = model.shape.num_layers
     keep = set(range(n_layers + 1)) if boundaries is None else set(boundaries)
     if any(not 0 <= c <= n_layers for c in keep):
         raise ValueError(f"boundaries: every cut must lie in [0, {n_layers}], got {sorted(keep)}")
     h = embed(model, token_ids)
     out = PrefillOutput(keys=[], values=[])
-    for step in iter_layers(model, h):
+    for step in iter_layers(model, h, importance_window=importance_window):
         if step.index in keep:
             out.hidden[step.index] = step.hidden_in
         out.keys.append(step.keys)
         out.values.append(step.values)
+        if step.importance is not None:
+            out.importance.append(step.importance)
         h = step.hidden_out
     if n_layers in keep:
         out.hidden[n_layers] = h

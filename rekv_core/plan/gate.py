@@ -30,10 +30,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import EncodeContext, get_codec
+from rekv_core.codecs.spectrum import SpectrumCodec
 from rekv_core.eval.needle import answer_found, passkey_prompt
+from rekv_core.eval.spectrum_probe import PROBE_CONTEXT, NeedleTrial, probe_int4_tolerance
 from rekv_core.model import KVCache, Model, decode_greedy, extend, prefill
 from rekv_core.plan.policy import Policy
+
+
+PROBE_TOKENS = 10  # greedy tokens decoded for a probe's answer
 
 
 @dataclass
@@ -57,6 +62,8 @@ class _Tally:
     scored: int = 0
     prompts: int = 0
     needles: list = field(default_factory=list)
+    payload_bytes: int = 0  # of the encoded prefix layers, for bytes per layer
+    layers: int = 0
 
 
 def text_windows(ids: Sequence[int], length: int, count: int) -> list[list[int]]:
@@ -68,12 +75,26 @@ def text_windows(ids: Sequence[int], length: int, count: int) -> list[list[int]]
     return [list(ids[s:s + length]) for s in starts]
 
 
-def reconstructed_cache(keys, values, codec_name: str, cut: int, capacity: int) -> KVCache:
+def importance_window(actions: Sequence[tuple[str, int]]) -> int:
+    """The prefill's importance window the actions' codecs need (0: none)."""
+    return max((get_codec(codec).importance_window for codec, _ in actions), default=0)
+
+
+def reconstructed_cache(keys, values, codec_name: str, cut: int, capacity: int,
+                        importance: Sequence[torch.Tensor] = (), tally: _Tally | None = None
+                        ) -> KVCache:
+    """`importance`: each layer's token scores, for codecs that rank tokens. `tally`: counts the
+    encoded layers' payload bytes."""
     codec = get_codec(codec_name)
     new_keys, new_values = [], []
     for index, (k, v) in enumerate(zip(keys, values)):
         if index < cut:
-            k2, v2 = codec.decode(codec.encode(k, v, checksums=False), verify=False)
+            context = EncodeContext(importance[index] if index < len(importance) else None)
+            encoded = codec.encode(k, v, checksums=False, context=context)
+            if tally is not None:
+                tally.payload_bytes += encoded.payload_bytes
+                tally.layers += 1
+            k2, v2 = codec.decode(encoded, verify=False)
             k, v = k2.to(k.dtype), v2.to(v.dtype)
         new_keys.append(k)
         new_values.append(v)
@@ -108,14 +129,16 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
     reference = _Tally()
     tallies = {a: _Tally() for a in actions}
     capacity = S + 1 + T
+    scored_by = importance_window(actions)
     for number, window in enumerate(windows, 1):
         prompt, follow = window[:S], torch.tensor(window[S:])
-        state = prefill(model, prompt, boundaries=())
+        state = prefill(model, prompt, boundaries=(), importance_window=scored_by)
         ref_cache = KVCache.from_layers(state.keys, state.values, capacity)
         ref_logits = extend(model, follow, ref_cache)  # predicts follow[1:], then one more
         _score(ref_logits, ref_logits, follow[1:], reference, nll_only=True)
         for codec, cut in actions:
-            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity)
+            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity,
+                                        state.importance, tallies[codec, cut])
             _score(extend(model, follow, cache), ref_logits, follow[1:], tallies[codec, cut])
         progress(f"prompt {number}/{len(windows)} scored")
     _needles(model, tokenizer, actions, config, reference, tallies, progress)
@@ -127,18 +150,20 @@ def _needles(model, tokenizer, actions, config, reference, tallies, progress) ->
     for depth in config.needle_depths:
         key = 10000 + int(depth * 80000) + 17
         ids = tokenizer.encode(passkey_prompt(key, filler, depth))
-        state = prefill(model, ids, boundaries=())
+        state = prefill(model, ids, boundaries=(), importance_window=importance_window(actions))
         capacity = len(ids) + config.needle_tokens
         ref_cache = KVCache.from_layers(state.keys, state.values, capacity)
         ref = tokenizer.decode(decode_greedy(model, state.logits, ref_cache,
                                              config.needle_tokens))
         reference.needles.append({"depth": depth, "found": answer_found(ref, key)})
         for codec, cut in actions:
-            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity)
+            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity,
+                                        state.importance)
             # the first token comes from the suffix (or the head) in BF16: same logits as BF16's
             out = tokenizer.decode(decode_greedy(model, state.logits, cache, config.needle_tokens))
             tallies[codec, cut].needles.append({"depth": depth, "found": answer_found(out, key)})
-        progress(f"passkey at depth {depth}: BF16 {'found' if reference.needles[-1]['found'] else 'missed'} it")
+        found = "found" if reference.needles[-1]["found"] else "missed"
+        progress(f"passkey at depth {depth}: BF16 {found} it")
 
 
 def _filler_repeats(tokenizer, target_tokens: int) -> int:
@@ -170,7 +195,9 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
             "continuation_top1_agreement": t.all_agree / t.positions,
             "continuation_kl": t.all_kl / t.positions,
             "perplexity": ppl, "bf16_perplexity": ref_ppl, "perplexity_rise": rise,
-            "needles": t.needles})
+            "needles": t.needles,
+            "bytes_per_layer": t.payload_bytes / t.layers if t.layers else 0.0,
+            "bf16_bytes_per_layer": model.shape.kv_layer_bytes(config.prompt_len)})
         if codec not in max_cut:
             max_cut[codec] = 0
     for codec in max_cut:
@@ -188,3 +215,28 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
                         "continuation": config.continuation,
                         "needle_depths": list(config.needle_depths),
                         "bf16_needles": reference.needles, "dtype": str(model.dtype)})
+
+
+def probe_spectrum(model: Model, tokenizer, context_len: int = PROBE_CONTEXT,
+                   progress: Callable[[str], None] = lambda _: None) -> dict:
+    """SpectrumKV's deployment probe (`eval.spectrum_probe`) on this model: passkey prompts of
+    about `context_len` tokens, every layer's K and V through the 3-tier codec at the probe's
+    budget with the prefill's own token importance, greedy answers from that cache."""
+
+    def trial(t: NeedleTrial) -> str:
+        codec = SpectrumCodec(t.budget, tiers=t.tiers)
+        ids = tokenizer.encode(passkey_prompt(t.passkey, _filler_repeats(tokenizer, t.context_len),
+                                              t.depth))
+        state = prefill(model, ids, boundaries=(), importance_window=codec.importance_window)
+        keys, values = [], []
+        for k, v, scores in zip(state.keys, state.values, state.importance):
+            k2, v2 = codec.decode(codec.encode(k, v, checksums=False,
+                                               context=EncodeContext(scores)), verify=False)
+            keys.append(k2.to(k.dtype))
+            values.append(v2.to(v.dtype))
+        cache = KVCache.from_layers(keys, values, len(ids) + PROBE_TOKENS)
+        answer = tokenizer.decode(decode_greedy(model, state.logits, cache, PROBE_TOKENS))
+        progress(f"spectrum probe at depth {t.depth}: {answer!r}")
+        return answer
+
+    return probe_int4_tolerance(trial, context_len=context_len)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import EncodeContext, get_codec
 from rekv_core.model.executor import Model, iter_layers
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.estimates import LayerCost
@@ -43,7 +43,8 @@ def measure_codec_costs(codec_name: str, shape: ModelShape, prompt_len: int = 51
     k = torch.randn(kv, generator=generator).to(device, torch.bfloat16)
     v = torch.randn(kv, generator=generator).to(device, torch.bfloat16)
     mib = shape.kv_layer_bytes(prompt_len) / MiB
-    encoded = codec.encode(k, v)
-    encode_ms = _median_ms(lambda: codec.encode(k, v), repeats, device)
+    context = EncodeContext.for_timing(codec, k)
+    encoded = codec.encode(k, v, context=context)
+    encode_ms = _median_ms(lambda: codec.encode(k, v, context=context), repeats, device)
     decode_ms = _median_ms(lambda: codec.decode(encoded), repeats, device)
     return encode_ms / mib, decode_ms / mib

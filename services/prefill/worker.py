@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Schedule, SenderReport, send_handoff
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer
@@ -126,11 +127,14 @@ class PrefillWorker(Worker):
         try:
             transfer.check()
             started = time.perf_counter()
+            window = get_codec(action.codec).importance_window if action.cut else 0
             if schedule.streamed:
-                source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release)
+                source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release,
+                                     importance_window=window)
             else:
                 source = prefill(self.model, call.token_ids,
-                                 boundaries={action.cut, self.shape.num_layers})
+                                 boundaries={action.cut, self.shape.num_layers},
+                                 importance_window=window)
                 release()
             prefill_s = time.perf_counter() - started
             send_start = time.perf_counter()
