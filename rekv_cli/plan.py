@@ -10,6 +10,8 @@ from pathlib import Path
 from rekv_cli.util import csv_of, write_json
 from rekv_core.model.shapes import DEFAULT_MODEL
 
+SPLITZIP_CALIBRATION = 4  # text windows SplitZip's codebooks are ranked over
+
 
 def _runtime_flags(parser) -> None:
     parser.add_argument("--model", default=None, help="model source (env REKV_MODEL)")
@@ -109,7 +111,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 
     from rekv_core.codecs import get_codec
     from rekv_core.model.tokenizer import load_tokenizer
-    from rekv_core.plan.gate import GateConfig, probe_spectrum, run_gate
+    from rekv_core.plan.gate import GateConfig, calibrate_splitzip, probe_spectrum, run_gate
 
     for codec in args.codecs:
         get_codec(codec)
@@ -135,6 +137,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
                       progress=console.log)
     policy.meta.update({"text": Path(args.text).name,
                         "command": "rekv " + " ".join(sys.argv[1:])})
+    if "splitzip" in args.codecs:
+        policy.meta["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text),
+                                                     args.prompt_len, SPLITZIP_CALIBRATION)
     if args.probe_context and any(get_codec(c).importance_window for c in args.codecs):
         probe = probe_spectrum(model, tokenizer, args.probe_context, progress=console.log)
         policy.meta["spectrum_probe"] = probe

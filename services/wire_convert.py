@@ -30,11 +30,14 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
                               f"{', '.join(codec_names())}")
     if message.cut > num_layers:
         raise InvalidArgument(f"{field}.cut: must lie in [0, {num_layers}], got {message.cut}")
-    return Action(message.codec, message.cut, num_layers)
+    try:
+        return Action(message.codec, message.cut, num_layers, message.boundary or "bf16")
+    except ValueError as exc:
+        raise InvalidArgument(f"{field}.{exc}") from None
 
 
 def action_to_proto(action: Action):
-    return rekv_pb2.Action(codec=action.codec, cut=action.cut)
+    return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary)
 
 
 def schedule_from_proto(message, field: str = "forced_schedule") -> Schedule:

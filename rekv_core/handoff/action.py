@@ -11,6 +11,9 @@ recomputed on the decode side. The seed's five actions are the cases of that pai
 | `token_recompute` | c = 0       | (none)         | the prompt's token ids, int32               |
 | `joint`           | 0 < c < L   | int8, int4, …  | b-bit prefix KV + BF16 boundary h_c (eq. 7) |
 
+An interior cut's boundary travels as BF16 or SplitZip-coded (`boundary`, see `handoff.boundary`):
+lossless either way, so it leaves the kind and the quality gate's verdict as they are.
+
 `wire_bytes(action, shape, S)` splits the payload by kind: boundary, prefix (KV data), scales,
 tokens and head. The boundary always travels in BF16 (2 bytes per element), whatever the working
 dtype. Transfer-only actions also send `head`, the last position's final hidden state (d BF16
@@ -24,6 +27,7 @@ import enum
 from dataclasses import dataclass
 
 from rekv_core.codecs import BASELINE_CODEC, get_codec
+from rekv_core.handoff.boundary import boundary_bytes, check_coding
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
@@ -42,11 +46,15 @@ class Action:
     codec: str  # the prefix codec b; ignored (BASELINE_CODEC by convention) when cut == 0
     cut: int  # c, the first recomputed layer
     num_layers: int  # L
+    boundary: str = "bf16"  # how h_c travels (`BOUNDARY_CODINGS`); bf16 unless 0 < c < L
 
     def __post_init__(self) -> None:
         if not 0 <= self.cut <= self.num_layers:
             raise ValueError(f"cut: must lie in [0, {self.num_layers}], got {self.cut}")
         get_codec(self.codec)  # raises ValueError naming the registered codecs
+        if check_coding(self.boundary) != "bf16" and not self.sends_boundary:
+            raise ValueError(f"boundary: only an interior cut sends one, cut is {self.cut} of "
+                             f"{self.num_layers}")
 
     @classmethod
     def full_bf16(cls, num_layers: int) -> Action:
@@ -84,7 +92,8 @@ class Action:
         return range(self.cut, self.num_layers)
 
     def __str__(self) -> str:
-        return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers})"
+        boundary = f", boundary={self.boundary}" if self.boundary != "bf16" else ""
+        return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}{boundary})"
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,7 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     per_layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, seq_len, shape.head_dim))
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:
-        total += WireBytes(boundary=shape.boundary_bytes(seq_len, BF16_BYTES))
+        total += WireBytes(boundary=boundary_bytes(seq_len * shape.hidden_size, action.boundary))
     else:
         total += WireBytes(head=shape.hidden_size * BF16_BYTES)
     return total

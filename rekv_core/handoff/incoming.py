@@ -20,14 +20,13 @@ import torch
 from rekv_core import streams
 from rekv_core.codecs import EncodedKV, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
-from rekv_core.handoff.seal import check_checksums, decrypt, open_message
+from rekv_core.handoff.seal import decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import HEAD, boundary_name, layer_name
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model
 from rekv_core.transport import Message, TransportError, TransportReceiver
 from rekv_core.transport.arrivals import Arrival, link_sample
-from rekv_core.units import BF16_BYTES
 
 
 class Inbound:
@@ -56,18 +55,6 @@ class Inbound:
     def link_sample(self, before: float | None = None) -> tuple[int, float] | None:
         """From the messages that had landed by `before` (all of them when None)."""
         return link_sample([a for a in self.arrivals if before is None or a.completed <= before])
-
-
-def bf16_tensor(message: Message, shape: tuple[int, ...], model: Model) -> torch.Tensor:
-    """The message's `h` buffer as a BF16 tensor of `shape`, checked, in the model's dtype."""
-    buf = message.buffers.get("h")
-    expected = int(torch.Size(shape).numel()) * BF16_BYTES
-    if buf is None or buf.dtype != torch.uint8 or buf.numel() != expected:
-        got = None if buf is None else buf.numel()
-        raise TransportError(f"{message.name}: expected {expected} BF16 bytes, got {got}")
-    streams.wait_ready(message.ready, [buf])
-    check_checksums(message)
-    return buf.view(torch.bfloat16).reshape(shape).to(model.device, model.dtype)
 
 
 def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

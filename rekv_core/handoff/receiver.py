@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 import torch
 
 from rekv_core.handoff.action import Action, WireBytes
-from rekv_core.handoff.incoming import Inbound, Incoming, bf16_tensor
+from rekv_core.handoff.boundary import decode_chunk
+from rekv_core.handoff.incoming import Inbound, Incoming
 from rekv_core.handoff.seal import check_checksums, check_key
 from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
 from rekv_core.handoff.wire import PLAN, TOKENS, Plan
@@ -152,6 +153,7 @@ class _Suffix:
     began: float  # the first chunk in hand, its compute starting
     ended: float
     compute_s: float  # the chunks' compute, without the waits between them
+    wire_bytes: int  # the boundary's, as it travelled
 
 
 def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) -> _Suffix:
@@ -160,8 +162,12 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
     shape = (model.shape.hidden_size,)
     h = None
     began = compute = 0.0
+    wire = 0
     for index, (s0, s1) in enumerate(plan.boundary_chunks):
-        rows = bf16_tensor(incoming.next_chunk(index), (s1 - s0, *shape), model)
+        message = incoming.next_chunk(index)
+        wire += message.payload_bytes
+        rows = decode_chunk(message, (s1 - s0, *shape), plan.boundary).to(model.device,
+                                                                           model.dtype)
         now = time.perf_counter()
         if index == 0:
             began = now
@@ -173,7 +179,7 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
     logits = final_logits(model, h[-1])
     if cuda:
         torch.cuda.current_stream(model.device).synchronize()
-    return _Suffix(logits, began, time.perf_counter(), compute)
+    return _Suffix(logits, began, time.perf_counter(), compute, wire)
 
 
 def _join(worker: threading.Thread, inbound: Inbound) -> None:
@@ -216,11 +222,12 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
         raise incoming.error
     inbound.transfer.advance(TransferState.JOINING)
 
-    received = WireBytes(boundary=S * hidden * BF16_BYTES if suffix else 0)
+    received = WireBytes(boundary=suffix.wire_bytes if suffix else 0)
     boundary_at = suffix.began if suffix else start
     join_start = max(incoming.done, suffix.ended if suffix else 0.0)
     if suffix is None:
-        logits = final_logits(model, bf16_tensor(incoming.head, (hidden,), model))
+        head = decode_chunk(incoming.head, (hidden,), "bf16")
+        logits = final_logits(model, head.to(model.device, model.dtype))
         received += WireBytes(head=hidden * BF16_BYTES)
         r_seconds, computing = 0.0, incoming.decoding_began
     else:

@@ -115,12 +115,13 @@ def open_message(key: bytes | None, message: Message) -> Message:
     return message
 
 
-def with_checksums(buffers: dict[str, torch.Tensor]) -> bytes:
-    """A header holding the checksum of every buffer (their device's algorithm)."""
+def with_checksums(buffers: dict[str, torch.Tensor], extra: dict | None = None) -> bytes:
+    """A header holding the checksum of every buffer (their device's algorithm), and `extra`
+    fields beside them."""
     if not buffers:
         return b""
     algorithm = default_algorithm(next(iter(buffers.values())).device)
-    return json.dumps({"checksum_algorithm": algorithm,
+    return json.dumps({**(extra or {}), "checksum_algorithm": algorithm,
                        "checksums": checksums(buffers, algorithm)}).encode()
 
 

@@ -26,8 +26,9 @@ from typing import Protocol
 import torch
 
 from rekv_core import streams
-from rekv_core.codecs import EncodeContext, get_codec
+from rekv_core.codecs import Codec, EncodeContext, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
+from rekv_core.handoff.boundary import chunk_codebook, encode_chunk
 from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
 from rekv_core.handoff.source import FinishedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
@@ -59,7 +60,8 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
                  flush_timeout: float = 60.0, key: bytes | None = None,
                  transfer: Transfer | None = None, expect_ms: float = 0.0,
                  hooks: SendHooks | None = None, encrypted: bool = False,
-                 chunk_tokens: int = 0) -> SenderReport:
+                 chunk_tokens: int = 0, boundary_codebook: list[int] | None = None,
+                 codec: Codec | None = None) -> SenderReport:
     """`state`: a finished prefill, or a `PrefillSource` (`LivePrefill` streams).
     `chunk_tokens`: the boundary's chunk size (`chunk_bounds`; 0: one message).
     `key`: the handoff's key from the decode side; every message is sealed with it (`seal`).
@@ -67,7 +69,13 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
     next message, and the flush waits no longer than its deadline (without one: `flush_timeout`);
     it ends DONE or FAILED. `expect_ms`: the predicted handoff length the plan tells the
     receiver. `hooks`: fault injection (`SendHooks`).
-    `encrypted`: every buffer is encrypted under the key (`seal.encrypt`; on the host)."""
+    `encrypted`: every buffer is encrypted under the key (`seal.encrypt`; on the host).
+    `boundary_codebook`: the model's SplitZip codebook for boundary states (a SplitZip boundary
+    without one ranks the exponents of its own h_c). `codec`: the prefix codec's instance to
+    encode with (default: the registry's `action.codec`), e.g. SplitZip with the model's
+    codebook."""
+    if codec is not None and codec.name != action.codec:
+        raise ValueError(f"codec: {codec.name!r} is not the action's {action.codec!r}")
     check_key(key)
     if encrypted and key is None:
         raise ValueError("encrypted: needs the handoff's key")
@@ -77,7 +85,8 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
     plan = Plan.of(action, shape, len(token_ids), expect_ms, source.streamed, chunk_tokens)
     try:
         report = _send(plan, token_ids, source, stream,
-                       _Posting(transport, request_id, transfer, key, hooks, encrypted))
+                       _Posting(transport, request_id, transfer, key, hooks, encrypted),
+                       boundary_codebook, codec or get_codec(action.codec))
     except BaseException as exc:
         transfer.fail(f"{type(exc).__name__}: {exc}")
         try:  # give up whatever was posted: nothing stays queued for a failed handoff
@@ -128,7 +137,7 @@ class _Posting:
 
 
 def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
-          send: _Posting) -> SenderReport:
+          send: _Posting, boundary_codebook: list[int] | None, codec: Codec) -> SenderReport:
     action = plan.action
     sent = WireBytes()
     send(PLAN, plan.to_bytes())
@@ -137,9 +146,8 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         send(TOKENS, buffers={"ids": tensor_bytes(ids)}, state=TransferState.BOUNDARY)
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
-        sent += _send_boundary(plan, source, stream, send)
+        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
 
-    codec = get_codec(action.codec)
     quantize = 0.0
     for layer in source.layers():
         streams.follow(stream, source.device)  # after the compute that produced the layer
@@ -153,7 +161,7 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         sent += split_layer_bytes(encoded.header()["buffers"])
 
     if action.sends_boundary and source.streamed:
-        sent += _send_boundary(plan, source, stream, send)
+        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
     if action.cut == action.num_layers:
         streams.follow(stream, source.device)
         with streams.on_stream(stream):
@@ -164,12 +172,19 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 
-def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting) -> WireBytes:
-    """h_c in BF16, one message per chunk of rows (`Plan.boundary_chunks`)."""
+def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting,
+                   codebook: list[int] | None) -> WireBytes:
+    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message per chunk of rows
+    (`Plan.boundary_chunks`)."""
     streams.follow(stream, source.device)
+    sent = 0
     with streams.on_stream(stream):
         h_c = source.boundary().to(torch.bfloat16)
+        codebook = chunk_codebook(h_c, plan.boundary, codebook)
     state = None if plan.streamed else TransferState.BOUNDARY
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
-        send(boundary_name(chunk), buffers={"h": tensor_bytes(h_c[s0:s1])}, state=state)
-    return WireBytes(boundary=h_c.numel() * BF16_BYTES)
+        with streams.on_stream(stream):
+            buffers, extra = encode_chunk(h_c[s0:s1], plan.boundary, codebook)
+        send(boundary_name(chunk), with_checksums(buffers, extra), buffers, state=state)
+        sent += sum(b.numel() for b in buffers.values())
+    return WireBytes(boundary=sent)

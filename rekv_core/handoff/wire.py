@@ -3,10 +3,10 @@
 A handoff is, in sequence order: `plan` (JSON header: action, prompt length, model dimensions,
 the sender's prediction of the handoff's length, from which the receiver sets its deadline, whether
 it is streamed, and the boundary's chunk size); then `tokens` (token-only), or for an interior cut
-the boundary h_c (BF16) in token chunks: `boundary` (rows of the first chunk), `boundary.1`, …
-(`chunk_bounds`), or nothing extra for transfer-only; then `layer.0` … `layer.{c-1}` (an encoded
-layer each: codec header + buffers); and last, for transfer-only, `head` (the final hidden state of
-the last position, BF16).
+the boundary h_c (BF16, or SplitZip-coded: `handoff.boundary`) in token chunks: `boundary` (rows
+of the first chunk), `boundary.1`, … (`chunk_bounds`), or nothing extra for transfer-only; then
+`layer.0` … `layer.{c-1}` (an encoded layer each: codec header + buffers); and last, for
+transfer-only, `head` (the final hidden state of the last position, BF16).
 
 A streamed handoff (`Plan.streamed`) is sent while the prefill runs: each layer as soon as the
 prefill has computed it, so the boundary chunks come after the prefix layers (the prefill has h_c
@@ -49,6 +49,7 @@ class Plan:
     expect_ms: float = 0.0  # the sender's prediction of the handoff's length; 0: none
     streamed: bool = False  # sent layer by layer while the prefill ran
     chunk_tokens: int = 0  # the boundary's chunk size (a multiple of EXEC_BLOCK); 0: one chunk
+    boundary: str = "bf16"  # the boundary's coding (`handoff.boundary`)
 
     def __post_init__(self) -> None:
         if not isinstance(self.streamed, bool):
@@ -63,6 +64,8 @@ class Plan:
                 raise ValueError(f"plan: {name} must be a non-negative integer, got {value!r}")
         if not isinstance(self.codec, str):
             raise ValueError(f"plan: codec must be a string, got {self.codec!r}")
+        if not isinstance(self.boundary, str):
+            raise ValueError(f"plan: boundary must be a string, got {self.boundary!r}")
         if not (isinstance(self.expect_ms, (int, float)) and 0 <= self.expect_ms < math.inf):
             raise ValueError(f"plan: expect_ms must be finite and >= 0, got {self.expect_ms!r}")
 
@@ -70,7 +73,8 @@ class Plan:
     def of(cls, action: Action, shape: ModelShape, seq_len: int, expect_ms: float = 0.0,
            streamed: bool = False, chunk_tokens: int = 0) -> Plan:
         return cls(action.codec, action.cut, action.num_layers, seq_len, shape.hidden_size,
-                   shape.num_kv_heads, shape.head_dim, expect_ms, streamed, chunk_tokens)
+                   shape.num_kv_heads, shape.head_dim, expect_ms, streamed, chunk_tokens,
+                   action.boundary)
 
     @property
     def boundary_chunks(self) -> list[tuple[int, int]]:
@@ -81,7 +85,7 @@ class Plan:
 
     @property
     def action(self) -> Action:
-        return Action(self.codec, self.cut, self.num_layers)
+        return Action(self.codec, self.cut, self.num_layers, self.boundary)
 
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self)).encode()

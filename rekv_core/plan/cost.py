@@ -12,7 +12,8 @@ The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` f
 
 - token-only (c = 0): T = P_w + L·γ_p + lat + m + tokens/W + L·γ + J
 - otherwise: T = P_w + L·γ_p + H + max(X, R) + J, where
-    H = lat + m + B_H/W                  (boundary; transfer-only: the first layer's latency)
+    H = lat + m + B_H/W + coding         (boundary; transfer-only: the first layer's latency;
+                                          coding: a SplitZip boundary's encode and decode)
     X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire)
     R = (L − c)·γ
   and transfer-only (c = L) adds the head's bytes and has R = 0.
@@ -28,7 +29,7 @@ and its wire time w = B_layer/W + m,
   arrival: the compute queued ahead of it), restored one layer later;
 - transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
 - otherwise the chunks follow the prefix on the link from max(P_w + c·s, E) on, each
-  (rows·d·2)/W + m,
+  rows·(B_H/S/W + coding per row) + m,
   and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done:
   T = lat + max(suffix end, E + restore_b(1 layer)) + J.
 
@@ -114,6 +115,14 @@ def _alpha_ms(action: Action, inputs: CostInputs) -> tuple[float, float]:
             inputs.restore_ms_per_mib.get(action.codec, 0.0) * layer_mib)
 
 
+def _boundary_ms_per_mib(action: Action, inputs: CostInputs) -> float:
+    """Encoding plus decoding of one MiB of BF16 boundary, in the boundary's coding."""
+    if action.boundary == "bf16":
+        return 0.0
+    return (inputs.quantize_ms_per_mib.get(action.boundary, 0.0)
+            + inputs.restore_ms_per_mib.get(action.boundary, 0.0))
+
+
 def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     shape, S = inputs.shape, inputs.prompt_len
     L, c = shape.num_layers, action.cut
@@ -139,8 +148,10 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     arrived = max(wait + c * step, prefix_end)
     first = None
     suffix_end = 0.0
+    per_row = wire.boundary / S  # bytes of one row of h_c as it travels
+    coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
-        arrived += (s1 - s0) * shape.hidden_size * BF16_BYTES / per_ms + m
+        arrived += (s1 - s0) * (per_row / per_ms + coding) + m
         first = arrived if first is None else first
         suffix_end = max(arrived, suffix_end) + r * (s1 - s0) / S
     end = max(suffix_end, prefix_end + restore)
@@ -165,7 +176,8 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
     restore = inputs.restore_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib * c
-    h = inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
+    h = (inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
+         + _boundary_ms_per_mib(action, inputs) * shape.boundary_bytes(S, BF16_BYTES) / MiB)
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
          + c * m)
     r = (L - c) * gamma
@@ -174,11 +186,15 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
 
 
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:
-    """Every (b, c) for the given prefix codecs, c in [1, L], plus token-only (c = 0)."""
+    """Every (b, c) for the given prefix codecs, c in [1, L], plus token-only (c = 0); with
+    `splitzip` among the codecs, every interior cut also with a SplitZip-coded boundary."""
     L = shape.num_layers
+    codecs = list(dict.fromkeys(codecs))
     actions = [Action.token_only(L)]
-    for codec in dict.fromkeys(codecs):
+    for codec in codecs:
         actions += [Action(codec, c, L) for c in range(1, L + 1)]
+        if "splitzip" in codecs:
+            actions += [Action(codec, c, L, "splitzip") for c in range(1, L)]
     return actions
 
 

@@ -34,6 +34,7 @@ from rekv_core.codecs import EncodeContext, get_codec
 from rekv_core.codecs.spectrum import SpectrumCodec
 from rekv_core.eval.needle import answer_found, passkey_prompt
 from rekv_core.eval.spectrum_probe import PROBE_CONTEXT, NeedleTrial, probe_int4_tolerance
+from rekv_core.kernels import ExponentHistogram
 from rekv_core.model import KVCache, Model, decode_greedy, extend, prefill
 from rekv_core.plan.policy import Policy
 
@@ -240,3 +241,22 @@ def probe_spectrum(model: Model, tokenizer, context_len: int = PROBE_CONTEXT,
         return answer
 
     return probe_int4_tolerance(trial, context_len=context_len)
+
+
+def calibrate_splitzip(model: Model, text_ids: Sequence[int], prompt_len: int, prompts: int
+                       ) -> dict:
+    """SplitZip's exponent codebooks for this model: one ranked over the K and V of every layer,
+    one over the boundary states h_c of every interior cut, each from `prompts` windows of the
+    text taken from its end (away from the gate's evaluation windows at its start)."""
+    kv, boundary = ExponentHistogram(), ExponentHistogram()
+    L = model.shape.num_layers
+    windows = text_windows(list(reversed(text_ids)), prompt_len, prompts)
+    for window in windows:
+        state = prefill(model, list(reversed(window)), boundaries=range(1, L))
+        for k, v in zip(state.keys, state.values):
+            kv.add(k.to(torch.bfloat16))
+            kv.add(v.to(torch.bfloat16))
+        for h in state.hidden.values():
+            boundary.add(h.to(torch.bfloat16))
+    return {"kv": kv.codebook(), "boundary": boundary.codebook(), "prompts": len(windows),
+            "prompt_len": prompt_len}

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from rekv_core.codecs import Codec, get_codec
+from rekv_core.codecs.splitzip import SplitZipCodec
 from rekv_core.handoff import Action
 
 
@@ -34,6 +36,19 @@ class Policy:
 
     def eligible(self, action: Action) -> bool:
         return action.lossless or action.cut <= self.max_cut.get(action.codec, 0)
+
+    def splitzip_codebook(self, kind: str) -> list[int] | None:
+        """The model's SplitZip exponent codebook for `kind` ("kv" or "boundary"), calibrated by
+        `rekv gate` (`gate.calibrate_splitzip`); None when the policy has none."""
+        codebook = self.meta.get("splitzip", {}).get(kind)
+        return list(codebook) if codebook else None
+
+    def codec(self, name: str) -> Codec:
+        """The codec `name`, built with what the policy knows of this model (SplitZip's KV
+        codebook); the registry's otherwise."""
+        if name == "splitzip" and self.splitzip_codebook("kv"):
+            return SplitZipCodec(self.splitzip_codebook("kv"))
+        return get_codec(name)
 
     def covers(self, prompt_len: int) -> bool:
         low, high = self.prompt_len_range

@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rekv_core.codecs import get_codec
 from rekv_core.handoff import Schedule, SenderReport, send_handoff
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer
@@ -53,6 +52,7 @@ class PrefillWorker(Worker):
         if policy is not None and policy.model != self.shape.name:
             raise ValueError(f"policy: written for {policy.model}, serving {self.shape.name}")
         self.planner = Planner(policy)
+        self.policy = policy or Policy(self.shape.name, (1, self.shape.max_positions), {})
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self._compute = threading.Lock()
         self.backlog = _Backlog()  # the prefill compute queued or running here
@@ -127,7 +127,7 @@ class PrefillWorker(Worker):
         try:
             transfer.check()
             started = time.perf_counter()
-            window = get_codec(action.codec).importance_window if action.cut else 0
+            window = self.policy.codec(action.codec).importance_window if action.cut else 0
             if schedule.streamed:
                 source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release,
                                      importance_window=window)
@@ -142,7 +142,9 @@ class PrefillWorker(Worker):
                 sender, call.transfer_id, action, self.shape, call.token_ids, source,
                 key=call.handoff_key, encrypted=call.encrypt, transfer=transfer,
                 expect_ms=decision.predicted_ms, chunk_tokens=schedule.chunk_tokens,
-                hooks=self.faults.for_handoff(call.request_id, transfer, action.cut, sender))
+                hooks=self.faults.for_handoff(call.request_id, transfer, action.cut, sender),
+                codec=self.policy.codec(action.codec),
+                boundary_codebook=self.policy.splitzip_codebook("boundary"))
         except TransportError:
             self.senders.drop_if_broken(call.offer.address)
             raise

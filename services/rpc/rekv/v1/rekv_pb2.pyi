@@ -53,12 +53,14 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Action(_message.Message):
-    __slots__ = ("codec", "cut")
+    __slots__ = ("codec", "cut", "boundary")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     codec: str
     cut: int
-    def __init__(self, codec: _Optional[str] = ..., cut: _Optional[int] = ...) -> None: ...
+    boundary: str
+    def __init__(self, codec: _Optional[str] = ..., cut: _Optional[int] = ..., boundary: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "summary")
