@@ -232,6 +232,15 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                       f"{p['chunked_over_colocated']:.2f}", f"{p['baseline_over_chunked']:.2f}",
                       f"{p['seed_over_chunked']:.2f}")
     Console(width=180).print(table)
+    gains = Table(title="The best handoff with bf16/int8/int4 only, and with each newer option "
+                        "allowed (median ms; × = before / after)")
+    for column in ("S", "link", "option", "best", "ms", "×"):
+        gains.add_column(column, justify="right")
+    for p in results["points"]:
+        for option, g in p["codec_gains"].items():
+            gains.add_row(str(p["prompt_len"]), p["link"], option, g["label"],
+                          f"{g['median_ms']:.0f}", f"{g.get('base_over_best', 1.0):.2f}")
+    Console(width=180).print(gains)
     write_json(args.json, results, indent=1)
     return 0
 

@@ -9,6 +9,7 @@ import pytest
 
 from rekv_core.bench.handoff import LinkRate
 from rekv_core.bench.ttft import SCHEDULES, TtftConfig, cases_for
+from rekv_core.handoff import Action
 
 
 def test_cases_cover_every_schedule():
@@ -48,3 +49,30 @@ def test_bench_ttft_command(tmp_path):
     partial = next(r for r in rows if r["label"] == "streamed int8/15")
     full = next(r for r in rows if r["label"] == "seed int8/15")
     assert partial["prefill_ms"] < full["prefill_ms"]  # 15 of 30 layers against all 30
+
+
+def test_splitzip_adds_boundary_coded_joint_actions():
+    actions = {c.action for c in cases_for(30, TtftConfig(cuts=[10], codecs=["int8", "splitzip"]))
+               if c.action is not None}
+    assert {a for a in actions if a.boundary == "splitzip"} == {
+        Action("int8", 10, 30, "splitzip")}
+
+
+def _row(label, codec, cut, ms, boundary="bf16", schedule="chunked"):
+    return {"label": label, "codec": codec, "cut": cut, "median_ms": ms, "boundary": boundary,
+            "schedule": schedule}
+
+
+def test_codec_gains_compare_the_best_with_and_without_each_option():
+    from rekv_core.bench.ttft import codec_gains
+
+    rows = [_row("baseline", "bf16", 30, 50.0, schedule="baseline"),
+            _row("colocated", None, None, 10.0, boundary=None, schedule="colocated"),
+            _row("int8/15", "int8", 15, 40.0), _row("int4h/15", "int4h", 15, 32.0),
+            _row("spectrum50/15", "spectrum50", 15, 44.0),
+            _row("int8/15+zb", "int8", 15, 36.0, boundary="splitzip")]
+    gains = codec_gains(rows)
+    assert gains["base"] == {"label": "int8/15", "median_ms": 40.0}
+    assert gains["int4h"]["base_over_best"] == pytest.approx(40 / 32)
+    assert gains["spectrum50"] == {"label": "int8/15", "median_ms": 40.0, "base_over_best": 1.0}
+    assert gains["splitzip boundary"]["label"] == "int8/15+zb"

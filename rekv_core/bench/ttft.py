@@ -33,6 +33,7 @@ import torch
 from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
 from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.handoff.seal import new_key
@@ -54,7 +55,8 @@ class TtftCase:
         if self.action is None:
             return self.schedule
         a = self.action
-        return f"{self.schedule} {a.codec if a.cut else 'tokens'}/{a.cut}"
+        boundary = "+zb" if a.boundary != "bf16" else ""
+        return f"{self.schedule} {a.codec if a.cut else 'tokens'}/{a.cut}{boundary}"
 
 
 @dataclass
@@ -76,6 +78,8 @@ def actions_for(L: int, config: TtftConfig) -> list[Action]:
     actions = [Action.full_bf16(L), Action.token_only(L), Action("bf16", cuts[len(cuts) // 2], L)]
     for codec in config.codecs:
         actions += [Action(codec, L, L)] + [Action(codec, c, L) for c in cuts]
+    if "splitzip" in config.codecs:  # the first prefix codec's joint actions, boundary coded too
+        actions += [Action(config.codecs[0], c, L, "splitzip") for c in cuts]
     return actions
 
 
@@ -110,11 +114,12 @@ def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[in
     def send() -> None:
         try:
             began = time.perf_counter()
+            window = get_codec(action.codec).importance_window if action.cut else 0
             if case.schedule in ("streamed", "chunked"):
-                source = LivePrefill(model, ids, action.cut)
+                source = LivePrefill(model, ids, action.cut, importance_window=window)
                 outcome["source"] = source
             else:
-                source = prefill(model, ids, boundaries={action.cut, L})
+                source = prefill(model, ids, boundaries={action.cut, L}, importance_window=window)
                 outcome["prefill_s"] = time.perf_counter() - began
             send_handoff(link.sender, request_id, action, model.shape, ids, source, key=key,
                          chunk_tokens=case.chunk_tokens)
@@ -184,7 +189,8 @@ def _row(case: TtftCase, S: int, rate: LinkRate, gbps: float, samples: list[Ttft
     a = case.action
     return {"schedule": case.schedule, "label": case.label, "prompt_len": S, "link": rate.label,
             "link_gbps": round(gbps, 6), "codec": a.codec if a else None,
-            "cut": a.cut if a else None, "chunk_tokens": case.chunk_tokens,
+            "cut": a.cut if a else None, "boundary": a.boundary if a else None,
+            "chunk_tokens": case.chunk_tokens,
             "median_ms": median, "ci95_ms": [low, high], "samples_ms": ttfts,
             "prefill_ms": statistics.median(s.prefill_s * 1e3 for s in samples),
             "same_first_token": all(s.first_token == reference for s in samples)}
@@ -202,7 +208,40 @@ def _point(S: int, rate: LinkRate, gbps: float, balanced: float, compute_all: fl
             "chunked_over_colocated": ms["chunked"] / ms["colocated"],
             "baseline_over_chunked": ms["baseline"] / ms["chunked"],
             "seed_over_chunked": ms["seed"] / ms["chunked"],
-            "baseline_over_seed": ms["baseline"] / ms["seed"]}
+            "baseline_over_seed": ms["baseline"] / ms["seed"],
+            "codec_gains": codec_gains(rows)}
+
+
+BASE_CODECS = ("bf16", "int8", "int4")  # the options before issue 16's codecs
+
+
+def codec_gains(rows: list[dict]) -> dict:
+    """How each newer option moves the point's best handoff (any schedule): the best row using
+    only `BASE_CODECS` (and token-only), then for each other prefix codec, and for a SplitZip
+    boundary, the best row once that option is allowed too, and the ratio of the two."""
+    handoffs = [r for r in rows if r["schedule"] not in ("baseline", "colocated")]
+
+    def best(allowed) -> dict:
+        return min((r for r in handoffs if allowed(r)), key=lambda r: r["median_ms"])
+
+    def base(r) -> bool:
+        return (r["cut"] == 0 or r["codec"] in BASE_CODECS) and r["boundary"] == "bf16"
+
+    before = best(base)
+    options = {r["codec"] for r in handoffs if r["cut"] and r["codec"] not in BASE_CODECS}
+    gains = {"base": {"label": before["label"], "median_ms": before["median_ms"]}}
+    for option in sorted(options) + ["splitzip boundary"]:
+        def allowed(r, option=option) -> bool:
+            if option == "splitzip boundary":
+                return (r["cut"] == 0 or r["codec"] in BASE_CODECS)
+            return base(r) or r["codec"] == option and r["boundary"] == "bf16"
+        if option == "splitzip boundary" and all(r["boundary"] == "bf16" for r in handoffs
+                                                 if r["cut"]):
+            continue
+        after = best(allowed)
+        gains[option] = {"label": after["label"], "median_ms": after["median_ms"],
+                         "base_over_best": before["median_ms"] / after["median_ms"]}
+    return gains
 
 
 def _point_line(p: dict) -> str:
