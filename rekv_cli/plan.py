@@ -60,6 +60,9 @@ def add_plan_parsers(sub) -> None:
                            "default: the model's own. Synthetic weights and checkpoint "
                            "directories need one")
     gate.add_argument("--out", required=True, help="the policy file to write (JSON)")
+    gate.add_argument("--merge", metavar="POLICY", default=None,
+                      help="add these verdicts to an existing policy from the same model, text "
+                           "and settings (codecs evaluated here replace its verdicts of them)")
     gate.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON")
     gate.set_defaults(func=cmd_gate)
 
@@ -112,6 +115,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from rekv_core.codecs import get_codec
     from rekv_core.model.tokenizer import load_tokenizer
     from rekv_core.plan.gate import GateConfig, calibrate_splitzip, probe_spectrum, run_gate
+    from rekv_core.plan.policy import Policy
 
     for codec in args.codecs:
         get_codec(codec)
@@ -146,6 +150,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
         print(f"SpectrumKV probe at {args.probe_context} tokens: INT4 "
               f"{'tolerated' if probe['int4_tolerated'] else 'not tolerated'} -> "
               f"{probe['tiers']} tiers")
+    if args.merge:
+        policy = Policy.load(args.merge).merged(policy)
     policy.save(args.out)
     table = Table(title=f"Quality gate, {model.shape.name}, S = {args.prompt_len}, "
                         f"{args.prompts} prompts + {args.continuation} tokens")
@@ -157,7 +163,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                       f"{v['next_token_top1_agreement']:.3f}", f"{v['next_token_kl']:.2e}",
                       f"{v['continuation_top1_agreement']:.3f}", f"{v['perplexity_rise']:+.3%}",
                       f"{sum(n['found'] for n in v['needles'])}/{len(v['needles'])}",
-                      f"{v['bytes_per_layer'] / v['bf16_bytes_per_layer']:.3f}×BF16",
+                      (f"{v['bytes_per_layer'] / v['bf16_bytes_per_layer']:.3f}×BF16"
+                       if "bytes_per_layer" in v else ""),
                       "; ".join(v["reasons"]))
     Console(width=180).print(table)
     print(f"BF16 perplexity {policy.verdicts[0]['bf16_perplexity']:.3f}; passkeys found by BF16: "

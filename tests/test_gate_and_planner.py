@@ -281,3 +281,28 @@ def test_a_change_of_link_moves_the_choice_within_a_few_requests():
         assert taken[0][0] == settled  # the estimate has not moved yet
         assert all(ms <= 1.1 * best(fast) for _, ms in taken[5:])
         assert {a.kind.value for a, _ in taken[5:]} != {settled.kind.value}
+
+
+def test_a_policy_takes_a_newer_gate_run_of_other_codecs():
+    from rekv_core.plan.policy import Policy
+
+    def verdict(codec, cut, ok):
+        return {"codec": codec, "cut": cut, "eligible": ok, "bf16_perplexity": 16.9}
+
+    meta = {"bf16_needles": [{"depth": 0.5, "found": True}]}
+    old = Policy("m", (1, 2048), {"int8": 30, "int4": 9},
+                 verdicts=[verdict("int8", 30, True), verdict("int4", 9, True)], meta=meta)
+    new = Policy("m", (1, 2048), {"int4h": 24, "int4": 3},
+                 verdicts=[verdict("int4h", 24, True), verdict("int4", 3, True)],
+                 meta={**meta, "splitzip": {"kv": list(range(16))}})
+    merged = old.merged(new)
+    assert merged.max_cut == {"int8": 30, "int4": 3, "int4h": 24}
+    assert [(v["codec"], v["cut"]) for v in merged.verdicts] == [("int8", 30), ("int4h", 24),
+                                                                 ("int4", 3)]
+    assert merged.splitzip_codebook("kv") == list(range(16))
+    assert merged.codec("splitzip").codebook == list(range(16))  # what the prefill encodes with
+    assert old.codec("splitzip").codebook is None  # no calibration: each layer ranks its own
+    other = Policy("m", (1, 2048), {}, verdicts=[{**verdict("x", 1, True),
+                                                  "bf16_perplexity": 20.0}], meta=meta)
+    with pytest.raises(ValueError, match="different models or evaluations"):
+        old.merged(other)

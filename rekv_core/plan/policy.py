@@ -60,6 +60,25 @@ class Policy:
                 "eligible": [{"codec": c, "max_cut": m} for c, m in self.max_cut.items()],
                 "verdicts": self.verdicts, "meta": self.meta}
 
+    def merged(self, newer: Policy) -> Policy:
+        """This policy with `newer`'s verdicts added: a codec `newer` evaluated takes its verdicts
+        and cut from `newer`, and `newer`'s meta wins key by key. Both must come from the same
+        model, prompt lengths and evaluation (BF16 perplexity and passkeys), else `ValueError`."""
+        mine, theirs = self.verdicts[:1], newer.verdicts[:1]
+        same = (self.model == newer.model and self.prompt_len_range == newer.prompt_len_range
+                and self.epsilon == newer.epsilon
+                and [v.get("bf16_perplexity") for v in mine]
+                == [v.get("bf16_perplexity") for v in theirs]
+                and self.meta.get("bf16_needles") == newer.meta.get("bf16_needles"))
+        if not same:
+            raise ValueError("policy: the two come from different models or evaluations")
+        codecs = set(newer.max_cut)
+        return Policy(self.model, self.prompt_len_range,
+                      {**{c: m for c, m in self.max_cut.items() if c not in codecs},
+                       **newer.max_cut}, self.epsilon,
+                      [v for v in self.verdicts if v["codec"] not in codecs] + newer.verdicts,
+                      {**self.meta, **newer.meta})
+
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
