@@ -32,6 +32,7 @@ import torch
 
 from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import WireBytes, wire_bytes
 from rekv_core.handoff.seal import new_key
@@ -198,7 +199,8 @@ def run_bench(model: Model, config: BenchConfig,
     rows, points = [], []
     for S in config.prompt_lens:
         ids = prompt_ids(shape.vocab_size, S, config.seed)
-        state = prefill(model, ids, boundaries=None)
+        window = max(get_codec(c.action.codec).importance_window for c in cases)
+        state = prefill(model, ids, boundaries=None, importance_window=window)
         compute_all = time_compute_all(model, ids)
         kv_bf16 = wire_bytes(Action.full_bf16(L), shape, S).prefix
         balanced = kv_bf16 * 8 / compute_all / 1e9
