@@ -72,6 +72,10 @@ def add_bench_parser(sub) -> None:
     link.add_argument("--warmups", type=int, default=3)
     link.add_argument("--runs", type=int, default=10)
     link.add_argument("--quick", action="store_true", help="a small sweep, under 5 minutes")
+    link.add_argument("--codecs", type=csv_of(str), default=[],
+                      help="newer options to time too, streamed at every cut, and offered to the "
+                           "planner (e.g. int4h,spectrum50,splitzip: splitzip also codes the "
+                           "boundary of the int8 joint actions)")
     link.add_argument("--loopback", action="store_true",
                       help="skip the namespaces: loopback with paced UCX sends")
     link.add_argument("--no-pin", dest="pin", action="store_false",
@@ -269,13 +273,15 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                     settings.device]
     if args.policy:
         service_args += ["--policy", args.policy]
+    if args.codecs:
+        service_args += ["--codecs", ",".join(dict.fromkeys(["bf16", "int8", *args.codecs]))]
     service_args += args.service_arg
     if not args.pin or args.threads:  # pinned services default to one thread per core
         service_args += ["--torch-threads", str(threads)]
     console = Console(stderr=True)
     config = LinkBenchConfig(prompt_lens=lengths, rates=rates, cuts=cuts, warmups=args.warmups,
                              runs=args.runs, service_args=service_args, log_dir=args.log_dir,
-                             loopback=args.loopback, pin=args.pin)
+                             loopback=args.loopback, pin=args.pin, codecs=args.codecs)
     results = run_link_bench(model, config, progress=console.log)
     results["meta"]["command"] = "rekv " + " ".join(sys.argv[1:])
     out = Console(width=160)

@@ -23,17 +23,20 @@ class Generation:
 
 
 def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
-                     forced_action: tuple[str, int] | None = None,
+                     forced_action: tuple | None = None,
                      sampling: dict | None = None, stop_at_eos: bool | None = None,
                      forced_schedule: tuple[bool, int] | None = None):
-    """`forced_action`: (codec, cut); `forced_schedule`: (streamed, boundary chunk tokens)."""
+    """`forced_action`: (codec, cut) or (codec, cut, boundary coding); `forced_schedule`:
+    (streamed, boundary chunk tokens)."""
     request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
     if isinstance(prompt, str):
         request.text = prompt
     else:
         request.token_ids.ids.extend(prompt)
     if forced_action is not None:
-        request.forced_action.codec, request.forced_action.cut = forced_action
+        request.forced_action.codec, request.forced_action.cut = forced_action[:2]
+        if len(forced_action) > 2:
+            request.forced_action.boundary = forced_action[2]
     if sampling is not None:
         request.sampling.CopyFrom(rekv_pb2.SamplingParams(**sampling))
     if stop_at_eos is not None:

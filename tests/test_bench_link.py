@@ -56,9 +56,9 @@ def _check(report, png):
     assert bf16["parts_median_ms"]["X"] >= 0.8 * wire_ms
     planner = rows[-1]
     allowed = Planner(shipped_policy("smollm2-135m"))
-    assert all(allowed.allowed(Action(codec, cut, 30), 32)
-               for _, codec, cut, streamed, _ in planner["picks"])
-    assert all(streamed for *_, streamed, _ in planner["picks"])  # the default schedule
+    assert all(allowed.allowed(Action(codec, cut, 30, boundary), 32)
+               for _, codec, cut, _, _, boundary in planner["picks"])
+    assert all(streamed for _, _, _, streamed, _, _ in planner["picks"])  # the default schedule
     (point,) = report["points"]
     best = min(forced, key=lambda r: r["median_ms"])
     assert point["best"]["label"] == best["label"]
@@ -117,3 +117,15 @@ def test_sigterm_stops_the_services_and_removes_the_namespaces(tmp_path):
     assert _namespaces() == before
     services = subprocess.run(["pgrep", "-f", str(logs)], capture_output=True, text=True)
     assert services.stdout == ""  # both services have exited
+
+
+def test_newer_codecs_are_timed_streamed_and_splitzip_also_codes_the_boundary():
+    from rekv_cli.linkbench.sweep import forced_actions
+
+    plain = forced_actions(30, [9, 15])
+    cases = forced_actions(30, [9, 15], chunk_tokens=256, codecs=["int4h", "splitzip"])
+    added = cases[len(plain) - 1:-1]  # before the planner's case, which stays last
+    assert added == [{"action": [codec, c], "schedule": [True, 256]}
+                     for codec in ("int4h", "splitzip") for c in (9, 15, 30)] + [
+        {"action": ["int8", c, "splitzip"], "schedule": [True, 256]} for c in (9, 15)]
+    assert cases[-1] == {"action": None, "schedule": None}

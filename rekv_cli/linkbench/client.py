@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                     samples.append(s.ttft_ms)
                     handoffs.append(s.measured_handoff_ms)
                     used.append([s.action_kind, s.action.codec, s.action.cut,
-                                 s.schedule.streamed, s.schedule.boundary_chunk_tokens])
+                                 s.schedule.streamed, s.schedule.boundary_chunk_tokens,
+                                 s.action.boundary or "bf16"])
                     predicted.append(s.predicted_handoff_ms)
                     t = s.timings
                     parts.append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms,

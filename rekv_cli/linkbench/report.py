@@ -26,6 +26,8 @@ INTERIOR = ("joint", "bf16_recompute")  # kinds with a boundary
 
 
 def _label(kind: str, codec: str, cut: int) -> str:
+    if kind in ("bf16_transfer", "quant_transfer") and codec != "bf16":
+        return f"{codec} only"
     return {"bf16_transfer": "BF16", "quant_transfer": f"{codec} only",
             "token_recompute": "tokens"}.get(kind, f"{'BF16' if codec == 'bf16' else codec} c={cut}")
 
@@ -39,15 +41,17 @@ def schedule_class(streamed: bool, chunk_tokens: int) -> str:
 def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) -> dict:
     """One action at one point, from the client's results for it."""
     median, (low, high) = median_ci(result["samples_ms"])
-    kind, codec, cut, streamed, chunk = result["used"][-1]
+    kind, codec, cut, streamed, chunk, boundary = result["used"][-1]
     planner = result["forced"] is None
     schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0)
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
             "schedule": schedule, "chunk_tokens": chunk,
-            "label": ("planner: " if planner else "") + _label(kind, codec, cut) + f" {schedule}",
+            "boundary": boundary,
+            "label": ("planner: " if planner else "") + _label(kind, codec, cut)
+            + ("+zb" if boundary != "bf16" else "") + f" {schedule}",
             "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
-            "bytes": wire_bytes(Action(codec, cut, shape.num_layers), shape, S).total,
+            "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary), shape, S).total,
             "median_ms": median, "ci95_ms": [low, high],
             "predicted_ms": statistics.median(result["predicted_ms"]),
             "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])

@@ -65,6 +65,8 @@ class LinkBenchConfig:
     log_dir: str | None = None
     loopback: bool = False  # skip the namespaces even where they can be made
     pin: bool = True  # each service on its own half of the cores (where there are two or more)
+    codecs: Sequence[str] = ()  # newer options, also timed streamed at every cut (`splitzip`:
+    #   int8 joint actions with a SplitZip boundary too); the services are given them
 
 
 def split_cores(cores: Sequence[int]) -> tuple[list[int], list[int]] | None:
@@ -144,12 +146,15 @@ def default_cuts(num_layers: int) -> list[int]:
 SEED_SCHEDULE = [False, 0]  # a full prefill, then the handoff (the boundary in one message)
 
 
-def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256) -> list[dict]:
+def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256,
+                   codecs: Sequence[str] = ()) -> list[dict]:
     """The cases of a point: the baseline (full prefill, then every layer's BF16 KV); the seed's
     schedule at each joint int8 cut and int8 transfer-only; the streamed schedule (the services'
     default) for every action, the interior cuts also with the boundary in one message; token-only
     (which the streamed schedule serves without any prefill: the decode side's local prefill, the
-    colocated bound plus one RPC); then the planner's choice under the default schedule."""
+    colocated bound plus one RPC); each of `codecs` streamed at every cut, and with `splitzip`
+    among them int8 at every interior cut with a SplitZip boundary; then the planner's choice
+    under the default schedule."""
     L = num_layers
     streamed, whole = [True, chunk_tokens], [True, 0]
     cases = [{"action": ["bf16", L], "schedule": SEED_SCHEDULE}]
@@ -159,6 +164,10 @@ def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256
     for codec in ("bf16", "int8"):
         cases += [{"action": [codec, c], "schedule": streamed} for c in cuts]
     cases += [{"action": ["int8", c], "schedule": whole} for c in cuts]
+    for codec in codecs:
+        cases += [{"action": [codec, c], "schedule": streamed} for c in [*cuts, L]]
+    if "splitzip" in codecs:
+        cases += [{"action": ["int8", c, "splitzip"], "schedule": streamed} for c in cuts]
     return [*cases, {"action": None, "schedule": None}]  # None: the planner chooses
 
 
@@ -183,7 +192,7 @@ class _Sweep:
         self.model, self.config, self.progress = model, config, progress
         self.shape = model.shape
         self.cuts = list(config.cuts or default_cuts(self.shape.num_layers))
-        self.actions = forced_actions(self.shape.num_layers, self.cuts)
+        self.actions = forced_actions(self.shape.num_layers, self.cuts, codecs=config.codecs)
         (self.prefill_cores, self.decode_cores), self.service_args = service_layout(
             config.service_args, config.pin)
         self.why_not = "loopback requested" if config.loopback else unavailable()
