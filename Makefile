@@ -41,7 +41,7 @@ demo: $(VENV)/.runtime
 	$(BIN)/rekv demo
 
 test: $(VENV)/.test $(TOOLS)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 codecs: $(VENV)/.runtime
 	$(BIN)/rekv codecs
