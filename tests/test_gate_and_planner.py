@@ -306,3 +306,12 @@ def test_a_policy_takes_a_newer_gate_run_of_other_codecs():
                                                   "bf16_perplexity": 20.0}], meta=meta)
     with pytest.raises(ValueError, match="different models or evaluations"):
         old.merged(other)
+
+
+def test_logits_one_bf16_ulp_apart_are_tied_at_bf16_resolution():
+    from rekv_core.plan.gate import within_resolution
+
+    top = torch.tensor([22.125, 22.125, 0.75])
+    picked = torch.tensor([22.0, 21.875, 0.75 - 2 ** -8])  # 1 ulp, 2 ulps, 1 ulp below
+    assert within_resolution(picked, top, torch.bfloat16).tolist() == [True, False, True]
+    assert within_resolution(picked, top, torch.float32).tolist() == [False, False, False]

@@ -102,16 +102,28 @@ def reconstructed_cache(keys, values, codec_name: str, cut: int, capacity: int,
     return KVCache.from_layers(new_keys, new_values, capacity)
 
 
+def within_resolution(picked: torch.Tensor, top: torch.Tensor, dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """Whether reference logits `picked` lie within one unit in the last place of `dtype`
+    (at the magnitude of `top`, the maximal logit) of `top`: the model computes its logits in
+    `dtype`, so logits that close are tied at its resolution."""
+    eps = torch.finfo(dtype).eps
+    ulp = eps * torch.exp2(torch.floor(torch.log2(top.abs().clamp_min(torch.finfo(dtype).tiny))))
+    return picked >= top - ulp
+
+
 def _score(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor, tally: _Tally,
-           nll_only: bool = False) -> None:
+           nll_only: bool = False, dtype: torch.dtype = torch.float32) -> None:
     logp = F.log_softmax(logits.float(), dim=-1)
     if not nll_only:
         ref_logp = F.log_softmax(reference.float(), dim=-1)
         kl = (ref_logp.exp() * (ref_logp - logp)).sum(-1)  # KL(BF16 || action) per position
-        # BF16 logits tie exactly at BF16's resolution, and argmax among tied tokens is arbitrary:
-        # the action agrees when BF16 gives its top token the maximal logit too.
+        # Logits of a BF16 model are BF16 numbers: tokens within one unit in the last place of the
+        # maximum are tied at the model's resolution, and which of them argmax returns moves with
+        # any rounding change (a different GEMM blocking alone flips it). The action agrees when
+        # BF16 gives its top token a logit tied with the maximum in that sense.
         picked = reference.gather(-1, logits.argmax(-1, keepdim=True)).squeeze(-1)
-        agree = picked >= reference.max(-1).values
+        agree = within_resolution(picked, reference.max(-1).values, dtype)
         tally.first_agree += int(agree[0])
         tally.first_kl += float(kl[0])
         tally.all_agree += int(agree.sum())
@@ -140,7 +152,8 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
         for codec, cut in actions:
             cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity,
                                         state.importance, tallies[codec, cut])
-            _score(extend(model, follow, cache), ref_logits, follow[1:], tallies[codec, cut])
+            _score(extend(model, follow, cache), ref_logits, follow[1:], tallies[codec, cut],
+                   dtype=model.dtype)
         progress(f"prompt {number}/{len(windows)} scored")
     _needles(model, tokenizer, actions, config, reference, tallies, progress)
     return _verdicts(model, actions, config, reference, tallies)
