@@ -172,7 +172,10 @@ def test_the_embedded_models_policy_ships_with_its_verdicts():
     policy = shipped_policy("smollm2-135m")
     assert policy is not None, "rekv_core/plan/policies/smollm2-135m.json is not in the package"
     assert policy.model == "smollm2-135m" and policy.covers(2048)
-    assert policy.max_cut == {"int8": 30, "int4": 9}  # the gate's results, in the README
+    assert policy.max_cut == {"int8": 30, "int4": 0, "int4h": 30, "spectrum30": 18,
+                              "spectrum50": 30, "splitzip": 30}  # the gate's, in the README
+    assert len(policy.splitzip_codebook("kv")) == len(policy.splitzip_codebook("boundary")) == 16
+    assert policy.meta["spectrum_probe"]["int4_tolerated"]
     for v in policy.verdicts:  # every verdict agrees with the cut it vouches for
         assert v["eligible"] == (v["cut"] <= policy.max_cut[v["codec"]]), v
     assert shipped_policy("no-such-model") is None

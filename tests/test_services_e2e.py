@@ -117,8 +117,8 @@ def test_text_and_token_prompts_agree_and_sampling_is_seeded(services, tokenizer
 
 
 def test_planner_chooses_among_the_actions_its_policy_allows(services, tokenizer):
-    """Unforced requests take the planner's choice, which the shipped policy must allow (int4
-    only up to cut 9), and the summary reports it consistently."""
+    """Unforced requests take the planner's choice, which the shipped policy must allow (int4 at
+    no cut), and the summary reports it consistently."""
     planner = Planner(shipped_policy("smollm2-135m"))
     for index, prompt in enumerate(PROMPTS):
         s = _run(services, f"planned-{index}", prompt, 4).summary
