@@ -115,7 +115,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from rekv_core.codecs import get_codec
     from rekv_core.model.tokenizer import load_tokenizer
     from rekv_core.plan.gate import GateConfig, calibrate_splitzip, probe_spectrum, run_gate
-    from rekv_core.plan.policy import Policy
+    from rekv_core.plan.policy import Policy, deployed_codec
 
     for codec in args.codecs:
         get_codec(codec)
@@ -136,20 +136,29 @@ def cmd_gate(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     config = GateConfig(prompt_len=args.prompt_len, prompts=args.prompts,
                         continuation=args.continuation, epsilon=args.epsilon)
+    probe = None
+    if args.probe_context and any(get_codec(c).importance_window for c in args.codecs):
+        probe = probe_spectrum(model, tokenizer, args.probe_context, progress=console.log)
+        print(f"SpectrumKV probe at {args.probe_context} tokens: INT4 "
+              f"{'tolerated' if probe['int4_tolerated'] else 'not tolerated'} -> "
+              f"{probe['tiers']} tiers")
+    deployed = {"spectrum_probe": probe} if probe else {}
+    ruled_out = [c for c in args.codecs if deployed_codec(c, deployed) is None]
+    if ruled_out:
+        print(f"not evaluated: {', '.join(ruled_out)} (no {probe['tiers']}-tier form at its "
+              f"budget)")
     policy = run_gate(model, tokenizer, tokenizer.encode(text),
-                      [(codec, cut) for codec in args.codecs for cut in cuts], config,
-                      progress=console.log)
+                      [(codec, cut) for codec in args.codecs if codec not in ruled_out
+                       for cut in cuts], config,
+                      progress=console.log, codec_for=lambda name: deployed_codec(name, deployed))
+    policy.max_cut.update({codec: 0 for codec in ruled_out})
     policy.meta.update({"text": Path(args.text).name,
                         "command": "rekv " + " ".join(sys.argv[1:])})
     if "splitzip" in args.codecs:
         policy.meta["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text),
                                                      args.prompt_len, SPLITZIP_CALIBRATION)
-    if args.probe_context and any(get_codec(c).importance_window for c in args.codecs):
-        probe = probe_spectrum(model, tokenizer, args.probe_context, progress=console.log)
+    if probe:
         policy.meta["spectrum_probe"] = probe
-        print(f"SpectrumKV probe at {args.probe_context} tokens: INT4 "
-              f"{'tolerated' if probe['int4_tolerated'] else 'not tolerated'} -> "
-              f"{probe['tiers']} tiers")
     if args.merge:
         policy = Policy.load(args.merge).merged(policy)
     policy.save(args.out)

@@ -83,7 +83,8 @@ class ServiceSettings:
     # end at once with RESOURCE_EXHAUSTED
     max_queue: int = 64
     max_inflight_bytes: int = 2 << 30
-    codecs: tuple[str, ...] = ("bf16", "int8")  # eligible prefix codecs (the quality gate's set)
+    # the codecs offered: every registered one; the planner keeps those the policy passed
+    codecs: tuple[str, ...] = tuple(codec_names())
     link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
     pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
     # Linux nice of the thread that drives UCX (it busy-polls while waiting for data); -1: the

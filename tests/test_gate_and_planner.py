@@ -318,3 +318,27 @@ def test_logits_one_bf16_ulp_apart_are_tied_at_bf16_resolution():
     picked = torch.tensor([22.0, 21.875, 0.75 - 2 ** -8])  # 1 ulp, 2 ulps, 1 ulp below
     assert within_resolution(picked, top, torch.bfloat16).tolist() == [True, False, True]
     assert within_resolution(picked, top, torch.float32).tolist() == [False, False, False]
+
+
+def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
+    from rekv_core.plan.policy import deployed_codec
+
+    failed = Policy("smollm2-135m", (1, 2048), {"int8": 30, "spectrum30": 18, "spectrum50": 30},
+                    meta={"spectrum_probe": {"int4_tolerated": False, "tiers": 2}})
+    two_tier = failed.codec("spectrum50")  # what the prefill worker encodes with
+    assert (two_tier.name, two_tier.tiers, two_tier.budget) == ("spectrum50", 2, 0.5)
+    with pytest.raises(ValueError, match="codec: spectrum30 is ruled out"):
+        failed.codec("spectrum30")  # no FP16 + INT8 form spends only 0.3 of FP16
+    L = 30
+    assert not failed.eligible(Action("spectrum30", 6, L))  # whatever max_cut an older run gave
+    assert failed.eligible(Action("spectrum50", 30, L)) and failed.eligible(Action("int8", 6, L))
+    costs = {"bf16": 0.0, "int8": 0.5, "spectrum30": 0.1, "spectrum50": 0.1}
+    world = CostInputs(get_preset("smollm2-135m"), 2048, 0.4, 30.0, costs, costs, 1.0)
+    offered = {p.action.codec for p, _ in Planner(failed).decide(world, list(costs)).candidates}
+    assert "spectrum50" in offered and "spectrum30" not in offered
+
+    passed = Policy("smollm2-135m", (1, 2048), {"spectrum30": 18},
+                    meta={"spectrum_probe": {"int4_tolerated": True, "tiers": 3}})
+    assert passed.codec("spectrum30").tiers == 3 and passed.eligible(Action("spectrum30", 6, L))
+    assert deployed_codec("spectrum30", {}).tiers == 3  # no probe: the gate's verdicts stand
+    assert deployed_codec("int8", failed.meta).name == "int8"

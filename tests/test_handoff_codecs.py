@@ -7,7 +7,8 @@ inside the prefill (`LivePrefill`) and on the seed's schedule (a finished prefil
 - `spectrum30`/`spectrum50` get each layer's token importance from the prefill (the window the
   prefill worker picks: `get_codec(codec).importance_window`), so the cache is exactly the quality
   gate's `reconstructed_cache`, on either schedule; without importance the sender fails naming
-  `token_importance` before any layer leaves, and the decode side returns no cache;
+  `token_importance` before any layer leaves, and the decode side returns no cache; after a
+  failed SpectrumKV probe the policy's codec sends FP16 and INT8 tiers only;
 - `int4h` gives the codec's own round trip, and the receiver follows the rotation in the header;
 - a splitzip header whose escape count does not match its buffers is refused by the receiver
   (the seal refuses any altered header first when the handoff is sealed).
@@ -67,7 +68,7 @@ def _source(model, ids, cut, streamed, window=0):
     return prefill(model, ids, boundaries={cut, L}, importance_window=window)
 
 
-def _run(model, ids, action, state, key=None, fault=None, transfer=None):
+def _run(model, ids, action, state, key=None, fault=None, transfer=None, codec=None):
     """One handoff over an in-process link: (sender's report, receiver's result, the messages as
     they left the wire). The receiver's error propagates; a sender's error fails the test."""
     seen, reports, errors = [], [], []
@@ -82,7 +83,7 @@ def _run(model, ids, action, state, key=None, fault=None, transfer=None):
         def send():
             try:
                 reports.append(send_handoff(link.sender, "r", action, model.shape, ids, state,
-                                            key=key))
+                                            key=key, codec=codec))
             except Exception as exc:  # noqa: BLE001 - surfaced by the test
                 errors.append(exc)
             finally:
@@ -187,6 +188,25 @@ def test_spectrum_is_the_gates_cache_on_both_schedules(model, codec, cut):
     flipped = reconstructed_cache(ref.keys, ref.values, codec, cut, S,
                                   [s.flip(0) for s in ref.importance])
     assert any(not torch.equal(flipped.layer(i)[0], expected.layer(i)[0]) for i in range(cut))
+
+
+def test_spectrum_after_a_failed_probe_sends_fp16_and_int8_only(model):
+    from rekv_core.plan.policy import Policy
+
+    policy = Policy(SHAPE.name, (1, 1024), {"spectrum50": L},
+                    meta={"spectrum_probe": {"int4_tolerated": False, "tiers": 2}})
+    codec = policy.codec("spectrum50")  # as the prefill worker builds it
+    ids = _ids(seed=7)
+    ref = prefill(model, ids, importance_window=codec.importance_window)
+    _, result, seen = _run(model, ids, Action("spectrum50", CUT, L),
+                           _source(model, ids, CUT, True, codec.importance_window), codec=codec)
+    metas = _layer_metas(seen)
+    assert [m["tiers"] for m in metas] == [2] * CUT
+    assert all(m["counts"][2] == 0 for m in metas)  # no INT4 tier on the wire
+    expected = reconstructed_cache(ref.keys, ref.values, codec, CUT, S, ref.importance)
+    for layer in range(CUT):
+        for got, want in zip(result.cache.layer(layer), expected.layer(layer)):
+            assert _same_bits(got, want), f"layer {layer}"
 
 
 @pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "seed"])

@@ -6,7 +6,9 @@ For each K/V shape `[n_kv, S, d_h]` (the presets' layer shapes at 1 to 8,192 tok
 a few small ones, for the CPU under TRITON_INTERPRET=1) and each of INT8 and INT4: the Triton
 quantizer's codes and scales equal the reference's byte for byte, and the Triton dequantizer's
 output equals the reference's bit for bit, both run on the same device from the same input; the
-Triton `wsum64` checksum equals the reference's on the code buffers and on the raw BF16 bytes. The
+Triton `wsum64` checksum equals the reference's on the code buffers and on the raw BF16 bytes; and
+each of `int4h`, `spectrum30`, `spectrum50` and `splitzip` encodes to the same buffers and meta,
+and decodes to the same K and V, through its Triton kernels as through its reference. The
 reference runs on the same device as the kernel (torch ops), so the check is of the kernels, not of
 two devices' arithmetic. Exits 1 on the first mismatch class found (after checking everything),
 naming each failing case; `--json` writes every case.
@@ -28,6 +30,8 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rekv_core.codecs import (EncodeContext, HadamardInt4Codec, SpectrumCodec,  # noqa: E402
+                              SplitZipCodec)
 from rekv_core.kernels.checksum_reference import wsum64_reference  # noqa: E402
 from rekv_core.kernels.checksum_triton import wsum64_triton  # noqa: E402
 from rekv_core.kernels.groupwise_reference import (dequantize_reference,  # noqa: E402
@@ -78,6 +82,35 @@ def check_shape(kv_shape: tuple[int, int, int], device: torch.device, seed: int)
             cases.append({"shape": list(kv_shape), "bits": 16, "slice": label or "whole",
                           f"wsum64_raw{label}_equal":
                           wsum64_triton(part) == wsum64_reference(part)})
+    return cases + check_codecs(x, kv_shape, generator)
+
+
+def check_codecs(x: torch.Tensor, kv_shape: tuple[int, int, int], generator: torch.Generator
+                 ) -> list[dict]:
+    """Issue 16's codecs, each whole: the Triton backend's encoded buffers and header meta equal
+    the reference backend's byte for byte, and so do the decoded K and V."""
+    v = (torch.randn(kv_shape, generator=generator) * 0.5).to(x.device, torch.bfloat16)
+    importance = torch.rand(kv_shape[1], generator=generator).to(x.device)
+    cases = []
+    for name, build in (("int4h", lambda backend: HadamardInt4Codec(backend=backend)),
+                        ("spectrum30", lambda backend: SpectrumCodec(0.3, backend=backend)),
+                        ("spectrum50", lambda backend: SpectrumCodec(0.5, backend=backend)),
+                        ("splitzip", lambda backend: SplitZipCodec(backend=backend))):
+        encoded, decoded = {}, {}
+        for backend in ("triton", "torch"):
+            codec = build(backend)
+            encoded[backend] = codec.encode(x, v, checksums=False,
+                                            context=EncodeContext(importance))
+            decoded[backend] = codec.decode(encoded[backend], verify=False)
+        kernel, reference = encoded["triton"], encoded["torch"]
+        cases.append({
+            "shape": list(kv_shape), "codec": name,
+            "buffers_equal": list(kernel.buffers) == list(reference.buffers) and all(
+                torch.equal(kernel.buffers[b], reference.buffers[b]) for b in kernel.buffers),
+            "meta_equal": kernel.meta == reference.meta,
+            "decoded_equal": all(torch.equal(a.view(torch.int16), b.view(torch.int16))
+                                 for a, b in zip(decoded["triton"], decoded["torch"])),
+        })
     return cases
 
 

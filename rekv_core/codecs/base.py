@@ -181,17 +181,8 @@ class Codec(ABC):
             raise CorruptPayloadError(f"meta: must be an object, got {type(encoded.meta).__name__}")
         self.check_meta(encoded.meta, shape)
         layout = self.buffer_layout(shape, encoded.meta)
-        if list(encoded.buffers) != list(layout):
-            raise CorruptPayloadError(f"buffers: got {list(encoded.buffers)}, "
-                                      f"{self.name} needs {list(layout)}")
-        for name, expected in layout.items():
-            buf = encoded.buffers[name]
-            if buf.dtype != torch.uint8 or buf.dim() != 1:
-                raise CorruptPayloadError(f"buffer {name}: must be 1-D uint8, got "
-                                          f"{buf.dtype} with shape {tuple(buf.shape)}")
-            if buf.numel() != expected:
-                raise CorruptPayloadError(f"buffer {name}: {buf.numel()} bytes, expected "
-                                          f"{expected} for shape {shape}")
+        check_buffers(encoded.buffers, layout, f"{self.name} with shape {shape}")
+        for name in layout:
             if verify and name not in encoded.checksums:
                 raise CorruptPayloadError(f"buffer {name}: no checksum in the header")
         if verify:
@@ -203,6 +194,23 @@ class Codec(ABC):
     def _verify(encoded: EncodedKV) -> None:
         verify_checksums(encoded.buffers, encoded.checksum_algorithm, encoded.checksums,
                          CorruptPayloadError)
+
+
+def check_buffers(buffers: dict[str, torch.Tensor], layout: dict[str, int], needed_by: str
+                  ) -> None:
+    """`buffers` are exactly `layout`'s names, in its order, each 1-D uint8 of its size;
+    else `CorruptPayloadError` naming the buffer and what needs the size (`needed_by`)."""
+    if list(buffers) != list(layout):
+        raise CorruptPayloadError(f"buffers: got {list(buffers)}, {needed_by} needs "
+                                  f"{list(layout)}")
+    for name, expected in layout.items():
+        buf = buffers[name]
+        if buf.dtype != torch.uint8 or buf.dim() != 1:
+            raise CorruptPayloadError(f"buffer {name}: must be 1-D uint8, got {buf.dtype} with "
+                                      f"shape {tuple(buf.shape)}")
+        if buf.numel() != expected:
+            raise CorruptPayloadError(f"buffer {name}: {buf.numel()} bytes, expected {expected} "
+                                      f"for {needed_by}")
 
 
 _REGISTRY: dict[str, Callable[[], Codec]] = {}

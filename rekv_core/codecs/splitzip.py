@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from rekv_core.codecs.base import Codec, CorruptPayloadError
+from rekv_core.codecs.base import Codec, CorruptPayloadError, check_buffers
 from rekv_core.kernels import (
     BACKENDS,
     SPLITZIP_CHUNK,
@@ -92,16 +92,10 @@ def decode_bf16(buffers: dict[str, torch.Tensor], meta: dict, backend: str = "au
     """Streams and meta from `encode_bf16` -> the 1-D BF16 tensor, bit for bit."""
     _check_backend(backend)
     codebook, n, chunk, n_esc = check_tensor_meta(meta)
-    if set(buffers) != set(STREAMS):
-        raise CorruptPayloadError(f"buffers: got {sorted(buffers)}, need {list(STREAMS)}")
-    for name, expected in ref.stream_bytes(n, n_esc).items():
-        buf = buffers[name]
-        if buf.dtype != torch.uint8 or buf.dim() != 1:
-            raise CorruptPayloadError(f"buffer {name}: must be 1-D uint8, got {buf.dtype} with "
-                                      f"shape {tuple(buf.shape)}")
-        if buf.numel() != expected:
-            raise CorruptPayloadError(f"buffer {name}: {buf.numel()} bytes, expected {expected} "
-                                      f"for n={n} with {n_esc} escapes")
+    layout = ref.stream_bytes(n, n_esc)
+    if set(buffers) == set(layout):  # in any order
+        buffers = {name: buffers[name] for name in layout}
+    check_buffers(buffers, layout, f"n={n} with {n_esc} escapes")
     return _received(lambda streams: splitzip_decode(*streams, codebook, n, chunk, backend),
                      tuple(buffers[name] for name in STREAMS))
 

@@ -50,19 +50,24 @@ def quantize_rows(rows: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Te
 
 def quantize_reference(x: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, numel divisible by 64) -> (codes uint8 [numel·bits/8], scales fp16 [numel/64])."""
+    return quantize_row_blocks(x.reshape(-1, GROUP_SIZE), bits, CHUNK_GROUPS)
+
+
+def quantize_row_blocks(rows: torch.Tensor, bits: int, chunk_rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` over rows `[n, m]` (not modified) `chunk_rows` at a time, packed for the
+    wire: (codes uint8 `[n·m·bits/8]`, INT4 two per byte as offset binary, scales fp16 `[n]`)."""
     qmax = check_bits(bits)
-    flat = x.reshape(-1, GROUP_SIZE)
-    n_groups = flat.shape[0]
-    codes = torch.empty(code_bytes(x.numel(), bits), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(n_groups, dtype=torch.float16, device=x.device)
-    per_group = GROUP_SIZE * bits // 8
-    for start in range(0, n_groups, CHUNK_GROUPS):
-        end = min(start + CHUNK_GROUPS, n_groups)
-        q, scales[start:end] = quantize_rows(flat[start:end].to(torch.float32, copy=True), qmax)
+    n, per_row = rows.shape[0], rows.shape[1] * bits // 8
+    codes = torch.empty(code_bytes(rows.numel(), bits), dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(n, dtype=torch.float16, device=rows.device)
+    for start in range(0, n, chunk_rows):
+        end = min(start + chunk_rows, n)
+        q, scales[start:end] = quantize_rows(rows[start:end].to(torch.float32, copy=True), qmax)
         if bits == 4:
             nibbles = q.add_(8).view(torch.uint8).reshape(-1, 2)
             q = nibbles[:, 0] | (nibbles[:, 1] << 4)
-        codes[start * per_group:end * per_group] = q.reshape(-1).view(torch.uint8)
+        codes[start * per_row:end * per_row] = q.reshape(-1).view(torch.uint8)
     return codes, scales
 
 

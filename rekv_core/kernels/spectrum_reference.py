@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from rekv_core.kernels.groupwise_reference import (check_bits, code_bytes, quantize_rows,
-                                                   unpack_codes)
+from rekv_core.kernels.groupwise_reference import check_bits, quantize_row_blocks, unpack_codes
 
 HI, INT8, INT4 = 0, 1, 2
 TIER_MODES = (2, 3)
@@ -125,20 +124,7 @@ def quantize_tokens_reference(x: torch.Tensor, index: torch.Tensor, bits: int
                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of tokens `index` (int64, ascending) of x `[n_kv, S, d]` -> (codes uint8
     `[n_kv·n·d·bits/8]`, scales fp16 `[n_kv·n]`)."""
-    qmax = check_bits(bits)
-    d = x.shape[2]
-    rows = x.index_select(1, index).reshape(-1, d)
-    codes = torch.empty(code_bytes(rows.numel(), bits), dtype=torch.uint8, device=x.device)
-    scales = torch.empty(rows.shape[0], dtype=torch.float16, device=x.device)
-    per_row = d * bits // 8
-    for start in range(0, rows.shape[0], CHUNK_ROWS):
-        end = min(start + CHUNK_ROWS, rows.shape[0])
-        q, scales[start:end] = quantize_rows(rows[start:end].to(torch.float32, copy=True), qmax)
-        if bits == 4:
-            nibbles = q.add_(8).view(torch.uint8).reshape(-1, 2)
-            q = nibbles[:, 0] | (nibbles[:, 1] << 4)
-        codes[start * per_row:end * per_row] = q.reshape(-1).view(torch.uint8)
-    return codes, scales
+    return quantize_row_blocks(x.index_select(1, index).reshape(-1, x.shape[2]), bits, CHUNK_ROWS)
 
 
 def dequantize_tokens_reference(codes: torch.Tensor, scales: torch.Tensor, index: torch.Tensor,

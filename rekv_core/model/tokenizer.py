@@ -4,11 +4,13 @@
 from the file's `tokenizer.*` metadata; `load_tokenizer(source)` finds the one a model source
 carries. Control tokens (`<|im_start|>`, ...) encode as single ids. The pre-tokenizer follows
 llama.cpp's `pre` name: `smollm` splits digits one by one before the GPT-2 byte-level regex;
-`gpt2`-style files use the byte-level regex alone.
+`gpt2`-style files use the byte-level regex alone. The built tokenizer is kept in the model cache
+(`conversion_cache`, as the `tokenizers` JSON), which later processes read instead of the file.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 _CONTROL_TOKEN_TYPE = 3
@@ -26,12 +28,33 @@ class GGUFTokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
-        import gguf
-        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+        """The file's tokenizer, from the model cache (`conversion_cache`) after the first time."""
+        from rekv_core.model.conversion_cache import cached
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
+        return cached(path, "tokenizer", ".json", lambda: cls._convert(path),
+                      lambda tokenizer, entry: entry.write_text(tokenizer.to_json()),
+                      lambda entry: cls.from_json(entry.read_text()))
+
+    def to_json(self) -> str:
+        return json.dumps({"tokenizer": self._tokenizer.to_str(), "eos_token_id": self.eos_token_id,
+                           "bos_token_id": self.bos_token_id, "chat_template": self.chat_template,
+                           "vocab_size": self.vocab_size})
+
+    @classmethod
+    def from_json(cls, text: str) -> GGUFTokenizer:
+        from tokenizers import Tokenizer
+
+        fields = json.loads(text)
+        return cls(Tokenizer.from_str(fields.pop("tokenizer")), **fields)
+
+    @classmethod
+    def _convert(cls, path: Path) -> GGUFTokenizer:
+        import gguf
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
         fields = gguf.GGUFReader(str(path)).fields
 
         def get(key: str, default=None):

@@ -5,7 +5,8 @@
 
 - `load_gguf(path)`: a llama.cpp GGUF file (the embedded SmolLM2 ships as one). Quantized tensors are
   dequantized with `gguf` to the working dtype; the Q/K row permutation llama.cpp applies to Llama
-  checkpoints is undone.
+  checkpoints is undone. The result is kept in the model cache (`conversion_cache`), which later
+  processes read instead.
 - `load_hf_checkpoint(directory)`: `config.json` plus `*.safetensors`, the way users bring Qwen2.5,
   Qwen3 or Llama-3.1 checkpoints.
 - `synthetic_weights(shape)`: random weights with a preset's exact dimensions, optionally one layer's
@@ -187,11 +188,21 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> ModelWeights:
-    import gguf
+    """The GGUF file's weights, from the model cache (`conversion_cache`) after the first time."""
+    from rekv_core.model.conversion_cache import cached
+    from rekv_core.model.weights_entry import read_weights, write_weights
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    return cached(path, f"weights-{str(dtype).removeprefix('torch.')}", ".safetensors",
+                  lambda: convert_gguf(path, dtype, device), write_weights,
+                  lambda entry: read_weights(entry, dtype, device))
+
+
+def convert_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> ModelWeights:
+    import gguf
+
     reader = gguf.GGUFReader(str(path))
     shape = shape_from_gguf(reader)
     tensors = {t.name: t for t in reader.tensors}

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from rekv_core.codecs import EncodeContext, get_codec
+from rekv_core.codecs import Codec, EncodeContext, get_codec
 from rekv_core.codecs.spectrum import SpectrumCodec
 from rekv_core.eval.needle import answer_found, passkey_prompt
 from rekv_core.eval.spectrum_probe import PROBE_CONTEXT, NeedleTrial, probe_int4_tolerance
@@ -76,17 +76,18 @@ def text_windows(ids: Sequence[int], length: int, count: int) -> list[list[int]]
     return [list(ids[s:s + length]) for s in starts]
 
 
-def importance_window(actions: Sequence[tuple[str, int]]) -> int:
+def importance_window(actions: Sequence[tuple[str, int]],
+                      codec_for: Callable[[str], Codec] = get_codec) -> int:
     """The prefill's importance window the actions' codecs need (0: none)."""
-    return max((get_codec(codec).importance_window for codec, _ in actions), default=0)
+    return max((codec_for(codec).importance_window for codec, _ in actions), default=0)
 
 
-def reconstructed_cache(keys, values, codec_name: str, cut: int, capacity: int,
+def reconstructed_cache(keys, values, codec: str | Codec, cut: int, capacity: int,
                         importance: Sequence[torch.Tensor] = (), tally: _Tally | None = None
                         ) -> KVCache:
-    """`importance`: each layer's token scores, for codecs that rank tokens. `tally`: counts the
-    encoded layers' payload bytes."""
-    codec = get_codec(codec_name)
+    """`codec`: a registered name or a built codec. `importance`: each layer's token scores, for
+    codecs that rank tokens. `tally`: counts the encoded layers' payload bytes."""
+    codec = get_codec(codec) if isinstance(codec, str) else codec
     new_keys, new_values = [], []
     for index, (k, v) in enumerate(zip(keys, values)):
         if index < cut:
@@ -136,13 +137,16 @@ def _score(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor,
 
 def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
              actions: Sequence[tuple[str, int]], config: GateConfig,
-             progress: Callable[[str], None] = lambda _: None) -> Policy:
+             progress: Callable[[str], None] = lambda _: None,
+             codec_for: Callable[[str], Codec] = get_codec) -> Policy:
+    """The verdict on every (codec, cut) of `actions`, each codec built by `codec_for` (the
+    registry's, or as the model deploys it: `policy.deployed_codec`)."""
     S, T = config.prompt_len, config.continuation
     windows = text_windows(text_ids, S + 1 + T, config.prompts)
     reference = _Tally()
     tallies = {a: _Tally() for a in actions}
     capacity = S + 1 + T
-    scored_by = importance_window(actions)
+    scored_by = importance_window(actions, codec_for)
     for number, window in enumerate(windows, 1):
         prompt, follow = window[:S], torch.tensor(window[S:])
         state = prefill(model, prompt, boundaries=(), importance_window=scored_by)
@@ -150,29 +154,31 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
         ref_logits = extend(model, follow, ref_cache)  # predicts follow[1:], then one more
         _score(ref_logits, ref_logits, follow[1:], reference, nll_only=True)
         for codec, cut in actions:
-            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity,
-                                        state.importance, tallies[codec, cut])
+            cache = reconstructed_cache(state.keys, state.values, codec_for(codec), cut,
+                                        capacity, state.importance, tallies[codec, cut])
             _score(extend(model, follow, cache), ref_logits, follow[1:], tallies[codec, cut],
                    dtype=model.dtype)
         progress(f"prompt {number}/{len(windows)} scored")
-    _needles(model, tokenizer, actions, config, reference, tallies, progress)
+    _needles(model, tokenizer, actions, config, reference, tallies, progress, codec_for)
     return _verdicts(model, actions, config, reference, tallies)
 
 
-def _needles(model, tokenizer, actions, config, reference, tallies, progress) -> None:
+def _needles(model, tokenizer, actions, config, reference, tallies, progress, codec_for
+             ) -> None:
     filler = _filler_repeats(tokenizer, config.prompt_len)
+    scored_by = importance_window(actions, codec_for)
     for depth in config.needle_depths:
         key = 10000 + int(depth * 80000) + 17
         ids = tokenizer.encode(passkey_prompt(key, filler, depth))
-        state = prefill(model, ids, boundaries=(), importance_window=importance_window(actions))
+        state = prefill(model, ids, boundaries=(), importance_window=scored_by)
         capacity = len(ids) + config.needle_tokens
         ref_cache = KVCache.from_layers(state.keys, state.values, capacity)
         ref = tokenizer.decode(decode_greedy(model, state.logits, ref_cache,
                                              config.needle_tokens))
         reference.needles.append({"depth": depth, "found": answer_found(ref, key)})
         for codec, cut in actions:
-            cache = reconstructed_cache(state.keys, state.values, codec, cut, capacity,
-                                        state.importance)
+            cache = reconstructed_cache(state.keys, state.values, codec_for(codec), cut,
+                                        capacity, state.importance)
             # the first token comes from the suffix (or the head) in BF16: same logits as BF16's
             out = tokenizer.decode(decode_greedy(model, state.logits, cache, config.needle_tokens))
             tallies[codec, cut].needles.append({"depth": depth, "found": answer_found(out, key)})

@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 
 from rekv_core.codecs import Codec, get_codec
+from rekv_core.codecs.spectrum import SpectrumCodec
 from rekv_core.codecs.splitzip import SplitZipCodec
 from rekv_core.handoff import Action
 
@@ -35,7 +36,8 @@ class Policy:
     meta: dict = field(default_factory=dict)
 
     def eligible(self, action: Action) -> bool:
-        return action.lossless or action.cut <= self.max_cut.get(action.codec, 0)
+        return action.lossless or (action.cut <= self.max_cut.get(action.codec, 0)
+                                   and deployed_codec(action.codec, self.meta) is not None)
 
     def splitzip_codebook(self, kind: str) -> list[int] | None:
         """The model's SplitZip exponent codebook for `kind` ("kv" or "boundary"), calibrated by
@@ -44,11 +46,16 @@ class Policy:
         return list(codebook) if codebook else None
 
     def codec(self, name: str) -> Codec:
-        """The codec `name`, built with what the policy knows of this model (SplitZip's KV
-        codebook); the registry's otherwise."""
-        if name == "splitzip" and self.splitzip_codebook("kv"):
-            return SplitZipCodec(self.splitzip_codebook("kv"))
-        return get_codec(name)
+        """The codec `name` as this model deploys it (`deployed_codec`); ValueError naming it when
+        the gate's findings rule it out."""
+        codec = deployed_codec(name, self.meta)
+        if codec is None:
+            raise ValueError(f"codec: {name} is ruled out for {self.model} by the SpectrumKV "
+                             f"probe (INT4 not tolerated; FP16 + INT8 needs a budget >= 0.5)")
+        return codec
+
+    def spectrum_tiers(self) -> int:
+        return spectrum_tiers(self.meta)
 
     def covers(self, prompt_len: int) -> bool:
         low, high = self.prompt_len_range
@@ -96,6 +103,29 @@ class Policy:
     @classmethod
     def load(cls, path: str | Path) -> Policy:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def spectrum_tiers(meta: dict) -> int:
+    """SpectrumKV's tier mode from the probe's verdict in a policy's meta: 2 (FP16 + INT8) when
+    the model does not tolerate INT4, else 3 (also when no probe ran: the gate's verdicts on the
+    3-tier codec stand on their own)."""
+    return int(meta.get("spectrum_probe", {}).get("tiers", 3))
+
+
+def deployed_codec(name: str, meta: dict) -> Codec | None:
+    """The codec `name` built with what the gate found for this model (a policy's `meta`): SplitZip
+    with the model's KV codebook; SpectrumKV in the probe's tier mode, None when that mode has no
+    form at the codec's budget (2 tiers need b >= 0.5). The registry's codec otherwise."""
+    codec = get_codec(name)
+    if name == "splitzip" and meta.get("splitzip", {}).get("kv"):
+        return SplitZipCodec(list(meta["splitzip"]["kv"]))
+    if isinstance(codec, SpectrumCodec) and spectrum_tiers(meta) != codec.tiers:
+        try:
+            return SpectrumCodec(codec.budget, tiers=spectrum_tiers(meta), sinks=codec.sinks,
+                                 backend=codec.backend)
+        except ValueError:  # the budget is below what the mode's cheapest tier costs
+            return None
+    return codec
 
 
 def shipped_policy(model: str) -> Policy | None:

@@ -71,6 +71,12 @@ class PrefillWorker(Worker):
         bad = next((t for t in call.token_ids if t >= vocab), None)
         if bad is not None:
             raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary [0, {vocab})")
+        forced = call.forced_action
+        if forced is not None and forced.cut:
+            try:
+                self.policy.codec(forced.codec)
+            except ValueError as exc:
+                raise InvalidArgument(f"forced_action.codec: {exc}") from None
 
     def schedule(self, call: HandoffCall) -> Schedule:
         """How this call's handoff is sent (INVALID_ARGUMENT for a forced schedule the decode
@@ -127,7 +133,8 @@ class PrefillWorker(Worker):
         try:
             transfer.check()
             started = time.perf_counter()
-            window = self.policy.codec(action.codec).importance_window if action.cut else 0
+            codec = self.policy.codec(action.codec)
+            window = codec.importance_window if action.cut else 0
             if schedule.streamed:
                 source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release,
                                      importance_window=window)
@@ -143,7 +150,7 @@ class PrefillWorker(Worker):
                 key=call.handoff_key, encrypted=call.encrypt, transfer=transfer,
                 expect_ms=decision.predicted_ms, chunk_tokens=schedule.chunk_tokens,
                 hooks=self.faults.for_handoff(call.request_id, transfer, action.cut, sender),
-                codec=self.policy.codec(action.codec),
+                codec=codec,
                 boundary_codebook=self.policy.splitzip_codebook("boundary"))
         except TransportError:
             self.senders.drop_if_broken(call.offer.address)

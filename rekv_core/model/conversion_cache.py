@@ -1,0 +1,74 @@
+"""Conversions of a model file kept on disk, so that a process start skips them.
+
+Reading a GGUF file costs every process seconds on a small CPU: `gguf.GGUFReader` parses all its
+metadata (the embedded model's 49,152 vocabulary strings and its merges) and numpy dequantizes the
+tensors. What a process takes from the file, the dequantized weights in its working dtype and the
+tokenizer, is written to the cache directory (env `REKV_MODEL_CACHE`, default
+`~/.cache/rekv/models`) the first time and read from there after.
+
+`cached(source, kind, suffix, convert, write, read)` is the whole contract: the entry of `source`'s
+conversion `kind` is `read` when there is one, else `convert()`ed, `write`n and returned. An entry's
+name carries a hash of what it was made from (the source's resolved path, size and modification
+time, the `kind` and `FORMAT`), so a changed file or a new format never reads an old entry. An entry
+is written to a temporary file and renamed into place: processes that start together never read a
+partial one (each may convert once). An entry that cannot be read is converted again and replaced;
+a directory that cannot be written only logs a warning. Delete the directory to drop the entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger("rekv.model.conversion_cache")
+
+CACHE_ENV = "REKV_MODEL_CACHE"
+DEFAULT_CACHE_DIR = Path("~/.cache/rekv/models")
+FORMAT = 1  # bump when what an entry holds changes
+
+T = TypeVar("T")
+
+
+def cache_dir() -> Path:
+    """Where entries are kept: `REKV_MODEL_CACHE`, else `~/.cache/rekv/models`."""
+    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+
+
+def entry_path(source: str | Path, kind: str, suffix: str) -> Path:
+    """The entry of `source`'s conversion `kind`, named after what it is made from."""
+    source = Path(source).resolve()
+    stat = source.stat()
+    made_from = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{kind}|{FORMAT}"
+    digest = hashlib.sha256(made_from.encode()).hexdigest()[:16]
+    return cache_dir() / f"{source.stem}-{kind}-{digest}{suffix}"
+
+
+def cached(source: str | Path, kind: str, suffix: str, convert: Callable[[], T],
+           write: Callable[[T, Path], None], read: Callable[[Path], T]) -> T:
+    path = entry_path(source, kind, suffix)
+    if path.is_file():
+        try:
+            return read(path)
+        except Exception as exc:  # noqa: BLE001 - any unreadable entry is made again
+            log.warning("model cache: %s cannot be read (%r); converting %s again", path, exc,
+                        source)
+    value = convert()
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        os.close(handle)
+        write(value, Path(temporary))
+        os.replace(temporary, path)
+        log.info("model cache: wrote %s", path)
+    except OSError as exc:
+        log.warning("model cache: cannot keep %s's %s in %s (%s); it is converted at every start",
+                    Path(source).name, kind, path.parent, exc)
+        if temporary is not None:
+            Path(temporary).unlink(missing_ok=True)
+    return value
