@@ -236,17 +236,26 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                       f"{p['chunked_over_colocated']:.2f}", f"{p['baseline_over_chunked']:.2f}",
                       f"{p['seed_over_chunked']:.2f}")
     Console(width=180).print(table)
+    print_codec_gains(results["points"], Console(width=180))
+    write_json(args.json, results, indent=1)
+    return 0
+
+
+def print_codec_gains(points: list[dict], console) -> None:
+    """The points' `codec_gains` (`rekv_core.bench.ttft.codec_gains`), where they have them."""
+    from rich.table import Table
+
+    if not any(p.get("codec_gains") for p in points):
+        return
     gains = Table(title="The best handoff with bf16/int8/int4 only, and with each newer option "
                         "allowed (median ms; × = before / after)")
     for column in ("S", "link", "option", "best", "ms", "×"):
         gains.add_column(column, justify="right")
-    for p in results["points"]:
-        for option, g in p["codec_gains"].items():
+    for p in points:
+        for option, g in (p.get("codec_gains") or {}).items():
             gains.add_row(str(p["prompt_len"]), p["link"], option, g["label"],
                           f"{g['median_ms']:.0f}", f"{g.get('base_over_best', 1.0):.2f}")
-    Console(width=180).print(gains)
-    write_json(args.json, results, indent=1)
-    return 0
+    console.print(gains)
 
 
 def cmd_bench_link(args: argparse.Namespace) -> int:
@@ -316,6 +325,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                         f"{p['planner']['median_ms']:.1f}",
                         "yes" if p["planner_within_10pct"] else "NO")
     out.print(summary)
+    print_codec_gains(results["points"], out)
     write_json(args.json, results, indent=1)
     if args.plot:
         plot(results, args.plot)

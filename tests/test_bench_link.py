@@ -48,7 +48,8 @@ def _check(report, png):
     for r in rows:
         assert len(r["samples_ms"]) == 2 and r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
         assert r["fallbacks"] == 0 and r["link_gbps"] == 2.0
-        assert r["bytes"] == wire_bytes(Action(r["codec"], r["cut"], 30), SHAPE, 32).total
+        assert r["bytes"] == wire_bytes(Action(r["codec"], r["cut"], 30, r["boundary"]), SHAPE,
+                                        32).total
         assert r["speedup_vs_bf16"] == pytest.approx(rows[0]["median_ms"] / r["median_ms"])
     # the emulated link holds the data: BF16 transfer's prefix takes at least its wire time
     bf16 = rows[0]
@@ -129,3 +130,32 @@ def test_newer_codecs_are_timed_streamed_and_splitzip_also_codes_the_boundary():
                      for codec in ("int4h", "splitzip") for c in (9, 15, 30)] + [
         {"action": ["int8", c, "splitzip"], "schedule": [True, 256]} for c in (9, 15)]
     assert cases[-1] == {"action": None, "schedule": None}
+
+
+def test_a_point_says_how_each_newer_codec_moved_its_best_case():
+    from rekv_cli.linkbench.report import point_summary
+    from rekv_core.bench.handoff import LinkRate
+
+    def case(label, kind, codec, cut, ms, schedule="chunked", boundary="bf16", planner=False):
+        return {"label": label, "action": kind, "codec": codec, "cut": cut, "median_ms": ms,
+                "schedule": schedule, "boundary": boundary, "planner": planner}
+
+    rows = [case("BF16 seed", "bf16_transfer", "bf16", 30, 100.0, "seed"),
+            case("int8 c=15 seed", "joint", "int8", 15, 80.0, "seed"),
+            case("int8 only streamed", "quant_transfer", "int8", 30, 75.0, "streamed"),
+            case("tokens streamed", "token_recompute", "bf16", 0, 90.0, "streamed"),
+            case("int8 c=15 chunked", "joint", "int8", 15, 60.0)]
+    plain = point_summary(512, LinkRate.parse("x1"), 0.05, [
+        *rows, case("planner", "joint", "int8", 15, 61.0, planner=True)], balanced=0.05)
+    assert plain["codec_gains"] is None  # nothing newer was timed
+    newer = [case("int4h c=15 chunked", "joint", "int4h", 15, 50.0),
+             case("spectrum50 c=15 chunked", "joint", "spectrum50", 15, 64.0),
+             case("int8+zb c=15 chunked", "joint", "int8", 15, 57.0, boundary="splitzip")]
+    point = point_summary(512, LinkRate.parse("x1"), 0.05, [
+        *rows, *newer, case("planner", "joint", "int4h", 15, 51.0, planner=True)], balanced=0.05)
+    gains = point["codec_gains"]
+    assert gains["base"] == {"label": "int8 c=15 chunked", "median_ms": 60.0}
+    assert gains["int4h"]["label"] == "int4h c=15 chunked"
+    assert gains["int4h"]["base_over_best"] == pytest.approx(60.0 / 50.0)
+    assert gains["spectrum50"]["base_over_best"] == 1.0  # slower than the base: it moves nothing
+    assert gains["splitzip boundary"]["base_over_best"] == pytest.approx(60.0 / 57.0)

@@ -62,7 +62,8 @@ if ((DRY)); then
     export TRITON_INTERPRET=1
     DEVICE=cpu DTYPE=float32 PRESETS="smollm2-135m"
     KERNELS=(--dry-run) EXECUTOR=(--dry-run) SERVICES=(--dry-run) SUMMARY=(--dry-run)
-    CODECS=(--prompt-len 128 --model smollm2-135m --repeats 2)
+    CODECS=(--prompt-len 128 --model smollm2-135m --repeats 2 --real-tokens 128 --real-windows 1
+        --real-calibration 1)
     HANDOFF=(--prompt-len 64 --link-gbps 1,x1 --cuts 10,20 --warmups 0 --runs 1)
     TTFT=(--model smollm2-135m --prompt-len 64 --link-gbps x1 --cuts 15 --warmups 0 --runs 1)
 else

@@ -7,7 +7,8 @@ KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) th
 with the boundary in one message, (d) streamed with the boundary in chunks, (e) the decode side's
 own prefill (token-only, streamed: the prefill service computes nothing; the colocated bound plus
 one RPC); and the planner against the best forced case, joint int8 against full BF16 and against
-the best single mechanism.
+the best single mechanism; with newer codecs in the sweep, how each moved the best forced case
+(`codec_gains`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from rekv_core.bench.handoff import LinkRate
 from rekv_core.bench.stats import median_ci
+from rekv_core.bench.ttft import BASE_CODECS, codec_gains
 from rekv_core.handoff import Action
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import ModelShape
@@ -97,7 +99,10 @@ def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balance
             "joint_int8_speedup_vs_bf16": bf16["median_ms"] / best_joint["median_ms"]
             if best_joint else None,
             "joint_int8_speedup_vs_best_single": best_single["median_ms"] / best_joint["median_ms"]
-            if best_joint else None}
+            if best_joint else None,
+            "codec_gains": codec_gains(forced) if any(
+                r["cut"] and (r["codec"] not in BASE_CODECS or r["boundary"] != "bf16")
+                for r in forced) else None}
 
 
 def plot(results: dict, path: str | Path) -> None:
