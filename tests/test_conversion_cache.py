@@ -30,9 +30,10 @@ def test_the_embedded_gguf_is_read_back_from_its_entry_bit_identical(tmp_path, m
     text = "Passkey 30017 <|im_start|>user\nZürich, 東京 🎉 done.<|im_end|>"
     converted_tokenizer = GGUFTokenizer.from_gguf(path)  # converts and writes the entry
     reference = load_gguf(path, torch.bfloat16)  # the same: `convert_gguf`'s result
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [entry_path(path, "tokenizer", ".json").name,
-         entry_path(path, "weights-bfloat16", ".safetensors").name])  # no temporary file left
+    names = sorted(p.name for p in tmp_path.iterdir())  # the two entries, no temporary file
+    assert len(names) == 2 and names[0].endswith(".json") and names[1].endswith(".safetensors")
+    assert names[0].startswith(f"{path.stem}-tokenizer-")
+    assert names[1].startswith(f"{path.stem}-weights-bfloat16-")
 
     def no_parsing(*_):
         raise AssertionError("the GGUF file was parsed again")
@@ -89,6 +90,7 @@ def test_an_entry_follows_its_source_and_an_unreadable_one_is_made_again(tmp_pat
     assert entry_path(source, "upper", ".txt") != first_entry
     assert (conversion.get(), conversion.runs) == ("SECOND", 2)  # not the old entry
 
+    assert entry_path(source, "upper", ".txt", made_by="v2") != entry_path(source, "upper", ".txt")
     entry_path(source, "upper", ".txt").write_text("garbage")
     with caplog.at_level(logging.WARNING, logger="rekv.model.conversion_cache"):
         assert (conversion.get(), conversion.runs) == ("SECOND", 3)
@@ -107,6 +109,22 @@ def test_a_cache_directory_that_cannot_be_written_costs_only_the_cache(tmp_path,
     with caplog.at_level(logging.WARNING, logger="rekv.model.conversion_cache"):
         assert (conversion.get(), conversion.get(), conversion.runs) == ("TEXT", "TEXT", 2)
     assert "converted at every start" in caplog.text
+
+
+def test_a_write_that_fails_midway_leaves_no_partial_entry(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    source = tmp_path / "model.txt"
+    source.write_text("text")
+
+    def half_written(value, entry):
+        entry.write_text(value[:2])
+        raise RuntimeError("disk full")  # not an OSError, as safetensors' own errors are not
+
+    with caplog.at_level(logging.WARNING, logger="rekv.model.conversion_cache"):
+        assert cached(source, "upper", ".txt", lambda: "TEXT", half_written, _Conversion.read
+                      ) == "TEXT"
+    assert "disk full" in caplog.text
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_a_missing_source_is_named():

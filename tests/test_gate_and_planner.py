@@ -341,4 +341,15 @@ def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
                     meta={"spectrum_probe": {"int4_tolerated": True, "tiers": 3}})
     assert passed.codec("spectrum30").tiers == 3 and passed.eligible(Action("spectrum30", 6, L))
     assert deployed_codec("spectrum30", {}).tiers == 3  # no probe: the gate's verdicts stand
+    assert deployed_codec("spectrum30", {"spectrum_probe": None}).tiers == 3
+    # a later run whose probe changed the tier mode cannot leave an older SpectrumKV verdict
+    # standing for the other form: it must gate that codec again
+    needles = {"bf16_needles": []}
+    older = Policy("smollm2-135m", (1, 2048), {"spectrum50": 30, "int8": 30},
+                   meta={**passed.meta, **needles})
+    with pytest.raises(ValueError, match="now gives 2 tiers, not 3; gate spectrum50 again"):
+        older.merged(Policy("smollm2-135m", (1, 2048), {"int4h": 30},
+                            meta={**failed.meta, **needles}))
+    assert older.merged(Policy("smollm2-135m", (1, 2048), {"spectrum50": 24},
+                               meta={**failed.meta, **needles})).max_cut["spectrum50"] == 24
     assert deployed_codec("int8", failed.meta).name == "int8"

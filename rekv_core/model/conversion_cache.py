@@ -8,21 +8,25 @@ tokenizer, is written to the cache directory (env `REKV_MODEL_CACHE`, default
 
 `cached(source, kind, suffix, convert, write, read)` is the whole contract: the entry of `source`'s
 conversion `kind` is `read` when there is one, else `convert()`ed, `write`n and returned. An entry's
-name carries a hash of what it was made from (the source's resolved path, size and modification
-time, the `kind` and `FORMAT`), so a changed file or a new format never reads an old entry. An entry
+name carries a hash of what it was made from and by (the source's resolved path, size and
+modification time, the `kind`, `FORMAT` and the converting code's `code_version`), so a changed
+file, a new format or an upgraded converter never reads an old entry. An entry
 is written to a temporary file and renamed into place: processes that start together never read a
 partial one (each may convert once). An entry that cannot be read is converted again and replaced;
-a directory that cannot be written only logs a warning. Delete the directory to drop the entries.
+a directory that cannot be written (or a disk that fills up) only logs a warning. Delete the directory to drop the entries.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
+import inspect
 import logging
 import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TypeVar
 
 log = logging.getLogger("rekv.model.conversion_cache")
@@ -39,18 +43,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
-def entry_path(source: str | Path, kind: str, suffix: str) -> Path:
-    """The entry of `source`'s conversion `kind`, named after what it is made from."""
+def entry_path(source: str | Path, kind: str, suffix: str, made_by: str = "") -> Path:
+    """The entry of `source`'s conversion `kind`, named after what it is made from and by
+    (`made_by`: the converting code's version, see `code_version`)."""
     source = Path(source).resolve()
     stat = source.stat()
-    made_from = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{kind}|{FORMAT}"
+    made_from = f"{source}|{stat.st_size}|{stat.st_mtime_ns}|{kind}|{FORMAT}|{made_by}"
     digest = hashlib.sha256(made_from.encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{kind}-{digest}{suffix}"
 
 
+def code_version(modules: tuple[ModuleType, ...], packages: tuple[str, ...]) -> str:
+    """A fingerprint of the code a conversion runs: the source of `modules` and the installed
+    versions of `packages`, so an upgrade or a fix never reads an entry the old code made."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(inspect.getsource(module).encode())
+    for package in packages:
+        digest.update(f"|{package} {importlib.metadata.version(package)}".encode())
+    return digest.hexdigest()[:16]
+
+
 def cached(source: str | Path, kind: str, suffix: str, convert: Callable[[], T],
-           write: Callable[[T, Path], None], read: Callable[[Path], T]) -> T:
-    path = entry_path(source, kind, suffix)
+           write: Callable[[T, Path], None], read: Callable[[Path], T], made_by: str = "") -> T:
+    path = entry_path(source, kind, suffix, made_by)
     if path.is_file():
         try:
             return read(path)
@@ -63,12 +79,15 @@ def cached(source: str | Path, kind: str, suffix: str, convert: Callable[[], T],
         path.parent.mkdir(parents=True, exist_ok=True)
         handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         os.close(handle)
+        os.chmod(temporary, 0o644)  # readable by other users sharing the directory
         write(value, Path(temporary))
         os.replace(temporary, path)
+        temporary = None
         log.info("model cache: wrote %s", path)
-    except OSError as exc:
-        log.warning("model cache: cannot keep %s's %s in %s (%s); it is converted at every start",
-                    Path(source).name, kind, path.parent, exc)
+    except Exception as exc:  # noqa: BLE001 - a full disk or a bad directory costs only the cache
+        log.warning("model cache: cannot keep %s's %s in %s (%r); it is converted at every "
+                    "start", Path(source).name, kind, path.parent, exc)
+    finally:
         if temporary is not None:
             Path(temporary).unlink(missing_ok=True)
     return value

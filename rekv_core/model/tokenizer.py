@@ -11,6 +11,7 @@ llama.cpp's `pre` name: `smollm` splits digits one by one before the GPT-2 byte-
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 _CONTROL_TOKEN_TYPE = 3
@@ -29,14 +30,15 @@ class GGUFTokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> GGUFTokenizer:
         """The file's tokenizer, from the model cache (`conversion_cache`) after the first time."""
-        from rekv_core.model.conversion_cache import cached
+        from rekv_core.model.conversion_cache import cached, code_version
 
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
+        made_by = code_version((sys.modules[__name__],), ("gguf", "tokenizers"))
         return cached(path, "tokenizer", ".json", lambda: cls._convert(path),
                       lambda tokenizer, entry: entry.write_text(tokenizer.to_json()),
-                      lambda entry: cls.from_json(entry.read_text()))
+                      lambda entry: cls.from_json(entry.read_text()), made_by)
 
     def to_json(self) -> str:
         return json.dumps({"tokenizer": self._tokenizer.to_str(), "eos_token_id": self.eos_token_id,

@@ -189,15 +189,19 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> ModelWeights:
     """The GGUF file's weights, from the model cache (`conversion_cache`) after the first time."""
-    from rekv_core.model.conversion_cache import cached
-    from rekv_core.model.weights_entry import read_weights, write_weights
+    import sys
+
+    from rekv_core.model import shapes, weights_entry
+    from rekv_core.model.conversion_cache import cached, code_version
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
+    made_by = code_version((sys.modules[__name__], shapes, weights_entry),
+                           ("gguf", "numpy", "safetensors", "torch"))
     return cached(path, f"weights-{str(dtype).removeprefix('torch.')}", ".safetensors",
-                  lambda: convert_gguf(path, dtype, device), write_weights,
-                  lambda entry: read_weights(entry, dtype, device))
+                  lambda: convert_gguf(path, dtype, device), weights_entry.write_weights,
+                  lambda entry: weights_entry.read_weights(entry, dtype, device), made_by)
 
 
 def convert_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> ModelWeights:

@@ -70,7 +70,9 @@ class Policy:
     def merged(self, newer: Policy) -> Policy:
         """This policy with `newer`'s verdicts added: a codec `newer` evaluated takes its verdicts
         and cut from `newer`, and `newer`'s meta wins key by key. Both must come from the same
-        model, prompt lengths and evaluation (BF16 perplexity and passkeys), else `ValueError`."""
+        model, prompt lengths and evaluation (BF16 perplexity and passkeys), else `ValueError`;
+        so is a new SpectrumKV tier mode that would leave an older SpectrumKV verdict standing for
+        a codec form it did not score."""
         mine, theirs = self.verdicts[:1], newer.verdicts[:1]
         same = (self.model == newer.model and self.prompt_len_range == newer.prompt_len_range
                 and self.epsilon == newer.epsilon
@@ -80,6 +82,13 @@ class Policy:
         if not same:
             raise ValueError("policy: the two come from different models or evaluations")
         codecs = set(newer.max_cut)
+        if spectrum_tiers(self.meta) != spectrum_tiers(newer.meta):
+            stale = sorted(c for c in self.max_cut if c not in codecs
+                           and isinstance(get_codec(c), SpectrumCodec))
+            if stale:
+                raise ValueError(
+                    f"policy: the SpectrumKV probe now gives {spectrum_tiers(newer.meta)} tiers, "
+                    f"not {spectrum_tiers(self.meta)}; gate {', '.join(stale)} again in this run")
         return Policy(self.model, self.prompt_len_range,
                       {**{c: m for c, m in self.max_cut.items() if c not in codecs},
                        **newer.max_cut}, self.epsilon,
@@ -109,7 +118,7 @@ def spectrum_tiers(meta: dict) -> int:
     """SpectrumKV's tier mode from the probe's verdict in a policy's meta: 2 (FP16 + INT8) when
     the model does not tolerate INT4, else 3 (also when no probe ran: the gate's verdicts on the
     3-tier codec stand on their own)."""
-    return int(meta.get("spectrum_probe", {}).get("tiers", 3))
+    return int((meta.get("spectrum_probe") or {}).get("tiers", 3))
 
 
 def deployed_codec(name: str, meta: dict) -> Codec | None:

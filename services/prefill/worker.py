@@ -133,8 +133,8 @@ class PrefillWorker(Worker):
         try:
             transfer.check()
             started = time.perf_counter()
-            codec = self.policy.codec(action.codec)
-            window = codec.importance_window if action.cut else 0
+            codec = self.policy.codec(action.codec) if action.cut else None
+            window = codec.importance_window if codec else 0
             if schedule.streamed:
                 source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release,
                                      importance_window=window)
