@@ -10,10 +10,11 @@ tokenizer, is written to the cache directory (env `REKV_MODEL_CACHE`, default
 conversion `kind` is `read` when there is one, else `convert()`ed, `write`n and returned. An entry's
 name carries a hash of what it was made from and by (the source's resolved path, size and
 modification time, the `kind`, `FORMAT` and the converting code's `code_version`), so a changed
-file, a new format or an upgraded converter never reads an old entry. An entry
-is written to a temporary file and renamed into place: processes that start together never read a
-partial one (each may convert once). An entry that cannot be read is converted again and replaced;
-a directory that cannot be written (or a disk that fills up) only logs a warning. Delete the directory to drop the entries.
+file, a new format or an upgraded converter never reads an old entry. An entry is written to a
+temporary file and renamed into place: processes that start together never read a partial one
+(each may convert once). An entry that cannot be read is converted again and replaced; a directory
+that cannot be written (or a disk that fills up) only logs a warning. Delete the directory to drop
+the entries.
 """
 
 from __future__ import annotations
