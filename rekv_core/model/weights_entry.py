@@ -16,12 +16,11 @@ from pathlib import Path
 import torch
 
 from rekv_core.model.shapes import Llama3RopeScaling, ModelShape
-from rekv_core.model.weights import ModelWeights, _assemble, expected_layer_shapes
+from rekv_core.model.weights import (_GGUF_NAMES, ModelWeights, _assemble,
+                                     expected_layer_shapes)
 
-_LAYER_KEYS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq",
-               "bk", "bv", "q_norm", "k_norm")  # every key `expected_layer_shapes` may name
-_NAMES = {"embed": "embed", "final_norm": "final_norm", "lm_head": "lm_head",
-          **{key: f"layers.{{i}}.{key}" for key in _LAYER_KEYS}}
+# the canonical keys the GGUF loader knows, per layer ones under `layers.{i}.`
+_NAMES = {key: f"layers.{{i}}.{key}" if "{i}" in name else key for key, name in _GGUF_NAMES.items()}
 
 
 def write_weights(weights: ModelWeights, path: Path) -> None:
