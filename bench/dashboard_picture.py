@@ -121,13 +121,18 @@ class Prometheus:
 
     def api(self, path: str, **params) -> dict:
         """GET (POST with `params`) from the HTTP API: its JSON answer, errors included (a parse
-        error is a 400 with status "error"); {} while the server does not answer."""
+        error is a 400 with status "error"; a non-JSON error body becomes one); {} while the server
+        does not answer."""
         data = urllib.parse.urlencode(params).encode() if params else None
         try:
             with urllib.request.urlopen(self.url + path, data, timeout=30) as response:
                 return json.loads(response.read())
         except urllib.error.HTTPError as error:
-            return json.loads(error.read() or b'{"status": "error", "error": "no body"}')
+            body = error.read()
+            try:
+                return json.loads(body)
+            except ValueError:  # a starting server answers 503 in plain text
+                return {"status": "error", "error": body.decode(errors="replace") or "no body"}
         except OSError:
             return {}
 
