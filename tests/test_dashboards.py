@@ -12,11 +12,13 @@ target, its template variables substituted, must parse and return at least one s
 number through the HTTP API. Skipped, saying why, only where the binary is missing.
 """
 
+import http.server
 import importlib.util
 import math
 import re
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +122,36 @@ def test_every_metric_used_exists_and_every_metric_is_used():
     families = set(exported.values())
     assert families == {exported[name] for name in used}, (
         f"on no panel: {families - {exported[name] for name in used}}")
+
+
+def test_the_api_reader_takes_a_starting_servers_plain_text_error_as_an_error():
+    """A Prometheus still starting answers 503 in plain text; the readiness loop must read that
+    as "not ready" (status error), not crash parsing it as JSON (seen in CI)."""
+    answers = {"/plain": (503, b"Service Unavailable"), "/json": (400, b'{"status": "error"}'),
+               "/ok": (200, b'{"status": "success", "data": 1}')}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            code, body = answers[self.path]
+            self.send_response(code)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        reader = object.__new__(bench.Prometheus)
+        reader.url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert reader.api("/plain") == {"status": "error", "error": "Service Unavailable"}
+        assert reader.api("/json") == {"status": "error"}
+        assert reader.api("/ok") == {"status": "success", "data": 1}
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert reader.api("/ok") == {}  # nothing answers: not ready yet, no exception
 
 
 @pytest.fixture(scope="module")
