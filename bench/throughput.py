@@ -1,7 +1,8 @@
 """Throughput of the two services with the prefill stopping at the cut: requests per second by cut.
 
     python bench/throughput.py [--prompt-tokens 512] [--requests 16] [--concurrency 4]
-        [--max-new-tokens 4] [--dtype bfloat16] [--rounds 2] [--json FILE] [--markdown FILE]
+        [--max-new-tokens 4] [--dtype bfloat16] [--rounds 2] [--modes cut=30,planner] [--json FILE]
+        [--markdown FILE]
 
 One prefill and one decode service (`ServicePair`), each pinned to a core of its own with one torch
 thread (`taskset`, when there are two cores or more), on loopback: the link is not the limit here,
@@ -46,8 +47,17 @@ from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 L = get_preset(DEFAULT_MODEL).num_layers
 
 
-def modes() -> list[tuple[str, int | None]]:
-    return [(f"cut={c}", c) for c in (L, 3 * L // 4, L // 2, L // 4, 0)] + [("planner", None)]
+def modes(only: str | None = None) -> list[tuple[str, int | None]]:
+    """Every mode, or those named in `only` (comma-separated labels, as `cut=15,planner`)."""
+    every = [(f"cut={c}", c) for c in (L, 3 * L // 4, L // 2, L // 4, 0)] + [("planner", None)]
+    if only is None:
+        return every
+    names = only.split(",")
+    unknown = set(names) - {label for label, _ in every}
+    if unknown:
+        raise SystemExit(f"--modes: unknown {sorted(unknown)}; known: "
+                         f"{[label for label, _ in every]}")
+    return [(label, cut) for label, cut in every if label in names]
 
 
 def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> dict:
@@ -82,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-dir", default=None)
+    parser.add_argument("--modes", default=None,
+                        help="comma-separated subset, as cut=30,cut=15,planner (default: all)")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--markdown", metavar="FILE")
     args = parser.parse_args(argv)
@@ -97,14 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with grpc.insecure_channel(pair.decode_address) as channel:
             for round_ in range(args.rounds):
-                order = modes()
+                order = modes(args.modes)
                 rng.shuffle(order)
                 rounds.append([run_mode(channel, cut, prompt, args, f"r{round_}-{label}")
                                for label, cut in order])
                 print(f"round {round_ + 1} of {args.rounds} done", file=sys.stderr)
     finally:
         codes = pair.stop()
-    rows = summarize(rounds)
+    rows = summarize(rounds, modes(args.modes))
     results = {"meta": {"machine": cpu_model(), "commit": git_commit(), "cores": os.cpu_count(),
                         "pinned": pinned, "model": DEFAULT_MODEL, "num_layers": L,
                         "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
@@ -118,10 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(code == 0 for code in codes.values()) else 1
 
 
-def summarize(rounds: list[list[dict]]) -> list[dict]:
-    """Per mode, the median over rounds of each figure (and every cut the planner chose)."""
+def summarize(rounds: list[list[dict]], ran: list[tuple[str, int | None]]) -> list[dict]:
+    """Per mode, the median over rounds of each figure (and every cut the planner chose); the
+    ratios are to the first mode that ran (full prefill, when it ran)."""
     rows = []
-    for label, _ in modes():
+    for label, _ in ran:
         runs = [r for round_ in rounds for r in round_ if r["mode"].endswith(f"-{label}")]
         rows.append({"mode": label, **{key: statistics.median(r[key] for r in runs) for key in (
             "requests_per_s", "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_per_request")},

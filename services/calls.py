@@ -43,6 +43,8 @@ class DecodeOffer:
     accepts_streamed: bool = True  # it takes a streamed handoff
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
+    backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done
+    planned: tuple[str, ...] = ()  # those handoffs' transfer ids
 
 
 @dataclass(frozen=True)

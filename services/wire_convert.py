@@ -127,6 +127,7 @@ def handoff_request(call: HandoffCall):
             ucx_address=offer.address, codecs=list(offer.codecs), model=offer.model,
             num_layers=offer.num_layers, queue_depth=offer.queue_depth,
             handoffs_in_flight=offer.handoffs_in_flight, computing=offer.computing,
+            backlog_ms=offer.backlog_ms, planned_transfers=list(offer.planned),
             suffix_ms_per_layer=costs.suffix_ms_per_layer,
             restore_ms_per_mib=costs.restore_ms_per_mib, join_ms=costs.join_ms,
             message_ms=costs.message_ms, link_gbps=costs.link_gbps,
@@ -185,7 +186,9 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           queue_depth=offer.queue_depth,
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs,
                           accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk,
-                          computing=offer.computing))
+                          computing=offer.computing,
+                          backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
+                          planned=tuple(offer.planned_transfers)))
 
 
 def _check_data_plane_address(address: str) -> None:

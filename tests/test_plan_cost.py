@@ -131,16 +131,45 @@ def test_a_chunked_boundary_takes_the_boundary_off_the_critical_path():
     assert chunked.total_ms < whole.total_ms
 
 
-def test_the_reported_loads_move_the_work_to_the_idle_pool():
-    inputs = _streamed(1.0, gamma=20.0, gamma_p=20.0)
-    idle = choose(inputs, ["int8"])
-    busy_prefill = sorted(choose(dataclasses.replace(inputs, prefill_queue=8), ["int8"]),
-                          key=lambda p: p.total_ms + p.load_ms)[0]
-    busy_decode = sorted(choose(dataclasses.replace(inputs, decode_queue=8), ["int8"]),
-                         key=lambda p: p.total_ms + p.load_ms)[0]
-    assert busy_prefill.action.cut < idle[0].action.cut or busy_prefill.action.cut == 0
-    assert busy_decode.action.cut > busy_prefill.action.cut
-    assert busy_prefill.load_ms == 8 * busy_prefill.prefill_ms
+def _ranked_first(inputs, codecs=("int8",)):
+    return min(choose(inputs, list(codecs)), key=lambda p: p.total_ms + p.load_ms)
+
+
+def test_the_reported_backlogs_move_the_work_to_the_idle_pool():
+    inputs = _streamed(10.0, gamma=20.0, gamma_p=20.0)
+    busy_prefill = _ranked_first(dataclasses.replace(inputs, prefill_queue=2,
+                                                     prefill_wait_ms=1500.0))
+    busy_decode = _ranked_first(dataclasses.replace(inputs, decode_queue=2,
+                                                    decode_wait_ms=1500.0))
+    assert busy_prefill.action.cut < L // 2 < busy_decode.action.cut
+    # the load term: the others in flight wait for this request's longer stage
+    assert busy_prefill.load_ms == 2 * max(busy_prefill.prefill_ms, busy_prefill.r_ms)
+
+
+def test_under_load_the_cut_settles_between_the_ends():
+    """Equal pools, three other requests in flight and no backlog on either side: the stages
+    balance (the throughput run's best forced cut is L/2 for this reason); idle, T alone picks."""
+    inputs = _streamed(10.0, gamma=20.0, gamma_p=20.0)
+    loaded = _ranked_first(dataclasses.replace(inputs, prefill_queue=2, decode_queue=1))
+    assert abs(loaded.action.cut - L / 2) <= 2
+    idle = _ranked_first(inputs)
+    assert idle.load_ms == 0.0
+    assert idle.total_ms <= loaded.total_ms + 1e-9
+
+
+def test_a_decode_backlog_delays_the_decode_side_compute_only():
+    quiet, backlog = _streamed(10.0, gamma=20.0), _streamed(10.0, gamma=20.0,
+                                                            decode_wait_ms=900.0)
+    token = Action.token_only(L)
+    assert predict(token, backlog).total_ms == pytest.approx(
+        max(predict(token, quiet).h_ms, 900.0) + L * 20.0 + 1.0)
+    joint = Action("int8", 10, L)
+    assert predict(joint, backlog).total_ms >= 900.0 + 20 * 20.0
+    transfer = Action("int8", L, L)  # nothing to compute on the decode side
+    assert predict(transfer, backlog).total_ms == pytest.approx(predict(transfer, quiet).total_ms)
+    seed = dataclasses.replace(_inputs(10.0, gamma=20.0), prefill_ms_per_layer=20.0,
+                               decode_wait_ms=5000.0)
+    assert predict(joint, seed).total_ms >= 5000.0 + 20 * 20.0
 
 
 def test_a_prefill_backlog_moves_the_cut_down_and_a_busy_decode_moves_it_up():

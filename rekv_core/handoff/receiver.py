@@ -113,6 +113,7 @@ def _receive(model: Model, inbound: Inbound, schedule: str, extra_capacity: int,
              cache: KVCache | None) -> HandoffResult:
     plan = Plan.from_bytes(inbound.expect(PLAN).header)
     plan.check_model(model.shape)
+    inbound.transfer.planned(model.shape.num_layers - plan.action.cut, plan.seq_len)
     if plan.expect_ms > 0:
         inbound.transfer.expect_within(allowed_s(plan.expect_ms / 1e3))
     inbound.transfer.advance(TransferState.BOUNDARY)

@@ -101,6 +101,8 @@ class Transfer:
         self._lock = threading.Lock()
         self._book = book
         self.entered = {TransferState.NEGOTIATING: time.monotonic()}
+        self.compute_layers = 0  # layers the receiving side computes, once the plan says
+        self.prompt_len = 0  # and for how many tokens
         if book is not None:
             book._enter(self)
 
@@ -126,6 +128,17 @@ class Transfer:
                 self.entered[state] = time.monotonic()
         if state is TransferState.DONE and self._book is not None:
             self._book._leave(self)
+
+    def planned(self, compute_layers: int, prompt_len: int) -> None:
+        """The plan arrived: the receiving side will compute `compute_layers` layers of
+        `prompt_len` tokens (what its load report counts as work ahead of a new request)."""
+        self.compute_layers, self.prompt_len = compute_layers, prompt_len
+
+    def computing_since(self) -> float | None:
+        """When the receiving side began computing this handoff (monotonic), if it has."""
+        started = [self.entered[s] for s in (TransferState.PREFIX, TransferState.JOINING)
+                   if s in self.entered]
+        return min(started) if started else None
 
     def fail(self, reason: str) -> None:
         """End the transfer as failed (no effect once it has ended)."""

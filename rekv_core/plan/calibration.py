@@ -69,7 +69,7 @@ class HandoffObservation:
 
     action: Action
     prompt_len: int
-    load: int  # handoffs in flight on the decode worker when it began, this one included
+    load: float  # requests computing on the decode worker while its suffix ran (mean), it included
     timings: HandoffTimings  # the receiver's; they begin before the remote prefill
     wire: WireBytes  # received
     link_sample: tuple[int, float] | None  # (bytes, seconds), see `HandoffResult`
@@ -118,12 +118,12 @@ class DecodeCalibration:
         """The link estimate (`UNMEASURED_LINK_GBPS` before any sample)."""
         return self.link.gbps
 
-    def suffix_ms_per_layer(self, prompt_len: int, load: int) -> float:
-        """γ now: the profile's, scaled by what recent suffixes took, times the handoffs that
-        share this worker."""
+    def suffix_ms_per_layer(self, prompt_len: int, load: float) -> float:
+        """γ now: the profile's, scaled by what recent suffixes took, times `load`, the requests
+        that would share this worker's compute (this one included)."""
         return self.layer_cost.at(prompt_len) * self.gamma_scale.value * max(1, load)
 
-    def offer(self, prompt_len: int, load: int) -> DecodeCosts:
+    def offer(self, prompt_len: int, load: float) -> DecodeCosts:
         link = self.link.gbps
         return DecodeCosts(
             suffix_ms_per_layer=self.suffix_ms_per_layer(prompt_len, load),
@@ -203,14 +203,15 @@ class PrefillCalibration:
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
                     streamed: bool = False, chunk_tokens: int = 0, prefill_queue: int = 0,
-                    decode_queue: int = 0, prefill_wait_ms: float = 0.0) -> CostInputs:
+                    decode_queue: int = 0, prefill_wait_ms: float = 0.0,
+                    decode_wait_ms: float = 0.0) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
                           costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
                           prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len),
                           streamed=streamed, chunk_tokens=chunk_tokens,
                           prefill_queue=prefill_queue, decode_queue=decode_queue,
-                          prefill_wait_ms=prefill_wait_ms)
+                          prefill_wait_ms=prefill_wait_ms, decode_wait_ms=decode_wait_ms)
 
     def observe_prefill(self, layers: int, prompt_len: int, seconds: float) -> None:
         """Learn γ_p's scale from a prefill of `layers` layers that took `seconds`."""

@@ -2,16 +2,18 @@
 
 Inputs (`CostInputs`) come from both workers: the link estimate, the quantize cost α and the
 prefill's cost per layer γ_p from the prefill side; the suffix cost per layer γ (at this prompt
-length, under the decode worker's current load), the restore cost and the join J from the decode
-side; and how the handoff is sent (`streamed`, `chunk_tokens`). W is the link rate in bytes/ms,
+length, shared with the requests generating there), the restore cost, the join J and D_w, the
+compute already committed to the decode worker (`decode_wait_ms`), from the decode side; and how
+the handoff is sent (`streamed`, `chunk_tokens`). W is the link rate in bytes/ms,
 `lat` its latency, m the fixed cost of one data-plane message (measured by the decode worker).
 Every time counts from the start of the prefill to the decode side's complete cache and
-first-token logits.
+first-token logits. Decode-side compute starts no earlier than D_w: the decode worker's compute is
+a queue, as the prefill worker's is (P_w).
 
 The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` false:
 
-- token-only (c = 0): T = P_w + L·γ_p + lat + m + tokens/W + L·γ + J
-- otherwise: T = P_w + L·γ_p + H + max(X, R) + J, where
+- token-only (c = 0): T = max(P_w + L·γ_p + lat + m + tokens/W, D_w) + L·γ + J
+- otherwise: T = max(P_w + L·γ_p + H + X, max(P_w + L·γ_p + H, D_w) + R) + J, where
     H = lat + m + B_H/W + coding         (boundary; transfer-only: the first layer's latency;
                                           coding: a SplitZip boundary's encode and decode)
     X = max(c·α_b, B_prefix/W) + α_b + restore_b(c layers) + c·m  (encoding overlaps the wire)
@@ -22,20 +24,25 @@ Streamed (the prefill sends each layer as it computes it, stops at the cut, then
 in chunks; the decode side starts its layers on each chunk): with one layer's step s = γ_p + α_b
 and its wire time w = B_layer/W + m,
 
-- token-only: T = lat + m + tokens/W + L·γ + J (the prefill computes nothing, and waits for
-  nothing);
+- token-only: T = max(lat + m + tokens/W, D_w) + L·γ + J (the prefill computes nothing, and
+  waits for nothing);
 - the prefix is on the decode side at E = P_w + max(c·s + w, s + c·w) (the link serializes what
   the prefill produces, from when the prefill worker may compute, P_w after the request's
   arrival: the compute queued ahead of it), restored one layer later;
 - transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
 - otherwise the chunks follow the prefix on the link from max(P_w + c·s, E) on, each
   rows·(B_H/S/W + coding per row) + m,
-  and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done:
+  and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done (the
+  first no earlier than D_w):
   T = lat + max(suffix end, E + restore_b(1 layer)) + J.
 
-The planner ranks by T plus the wait the action puts on the other requests queued at each worker
-(`load_ms`: the prefill's queue times this request's prefill compute, the decode worker's times
-its suffix compute), so a loaded pool gets less of the work.
+The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
+pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in
+turn, and in a busy pipeline each of them waits for the longer of this request's two stages, not
+for the sum: `load_ms` = (prefill queue + decode queue) · max(prefill compute, suffix compute),
+least where the stages balance. With nothing else in flight it is 0 and T alone decides; under
+load it keeps the cut between the ends, where the two pools serve the most requests, instead of
+swinging it from one end to the other as the queues move.
 
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec and returns the
 predictions sorted by predicted time; the first is the choice.
@@ -69,7 +76,8 @@ class CostInputs:
     chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
     prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
-    decode_queue: int = 0  # other handoffs sharing the decode worker's compute
+    decode_queue: int = 0  # other requests computing on the decode worker now
+    decode_wait_ms: float = 0.0  # until the decode worker may compute: the compute queued ahead
 
     def __post_init__(self) -> None:
         if self.link_gbps <= 0:
@@ -103,7 +111,7 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
     """T of `action` under `inputs`' schedule, with its load term."""
     p = _predict_streamed(action, inputs) if inputs.streamed else _predict_after_prefill(
         action, inputs)
-    load = inputs.prefill_queue * p.prefill_ms + inputs.decode_queue * p.r_ms
+    load = (inputs.prefill_queue + inputs.decode_queue) * max(p.prefill_ms, p.r_ms)
     return Prediction(p.action, p.total_ms, p.h_ms, p.x_ms, p.r_ms, p.j_ms, p.bytes,
                       p.prefill_ms, load)
 
@@ -132,7 +140,8 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
                            inputs.join_ms)
     if c == 0:
         h = lat + m + wire.tokens / per_ms
-        return Prediction(action, h + L * gamma + join, h, 0.0, L * gamma, join, wire.total)
+        return Prediction(action, max(h, inputs.decode_wait_ms) + L * gamma + join, h, 0.0,
+                          L * gamma, join, wire.total)
     alpha, restore = _alpha_ms(action, inputs)
     step = inputs.prefill_ms_per_layer + alpha
     layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, S, shape.head_dim))
@@ -147,7 +156,7 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     r = (L - c) * gamma
     arrived = max(wait + c * step, prefix_end)
     first = None
-    suffix_end = 0.0
+    suffix_end = inputs.decode_wait_ms
     per_row = wire.boundary / S  # bytes of one row of h_c as it travels
     coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
@@ -171,8 +180,8 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     if c == 0:
         h = inputs.link_latency_ms + m + wire.tokens / bytes_per_ms
         r = L * gamma
-        return Prediction(action, start + h + r + inputs.join_ms, h, 0.0, r, inputs.join_ms,
-                          wire.total, prefill)
+        return Prediction(action, max(start + h, inputs.decode_wait_ms) + r + inputs.join_ms,
+                          h, 0.0, r, inputs.join_ms, wire.total, prefill)
     bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
     alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
     restore = inputs.restore_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib * c
@@ -181,8 +190,9 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
          + c * m)
     r = (L - c) * gamma
-    return Prediction(action, start + h + max(x, r) + inputs.join_ms, h, x, r, inputs.join_ms,
-                      wire.total, prefill)
+    suffix_end = max(start + h, inputs.decode_wait_ms) + r if r else 0.0
+    end = max(start + h + x, suffix_end)
+    return Prediction(action, end + inputs.join_ms, h, x, r, inputs.join_ms, wire.total, prefill)
 
 
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:

@@ -97,12 +97,12 @@ class Handoffs:
                   queue: int) -> Handed:
         worker = self.worker
         self.in_flight += 1
-        load = self.in_flight
+        in_flight = self.in_flight
         self.metrics.in_flight.set(self.in_flight)
         began = time.perf_counter()
         deadline = None
         if time_remaining is not None:
-            reserve = RECOMPUTE_RESERVE * worker.recompute_s(len(ids), load)
+            reserve = RECOMPUTE_RESERVE * worker.recompute_s(len(ids))
             deadline = time.monotonic() + max(time_remaining - reserve, time_remaining / 2)
         transfer = Transfer(f"{call.request_id}/{uuid.uuid4().hex}", deadline,
                             worker.settings.handoff_timeout_s, worker.transfers,
@@ -112,8 +112,8 @@ class Handoffs:
         receiving = asyncio.ensure_future(asyncio.to_thread(
             worker.receive, transfer, len(ids), call.max_new_tokens, key))
         try:
-            result, reply = await self._negotiate(call, ids, transfer, key, load, queue,
-                                                  receiving)  # 2, 3
+            (result, sharing), reply = await self._negotiate(
+                call, ids, transfer, key, in_flight, queue, receiving)  # 2, 3
         except _Failed as failed:
             transfer.fail(str(failed))
             worker.receiver.abort(transfer.transfer_id)  # wakes the receiving thread
@@ -126,12 +126,12 @@ class Handoffs:
                 await asyncio.gather(receiving, return_exceptions=True)
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
-        return self._learn(result, reply, len(ids), load)
+        return self._learn(result, reply, len(ids), sharing)
 
     async def _negotiate(self, call: GenerateCall, ids: list[int], transfer: Transfer,
-                         key: bytes, load: int, queue: int, receiving: asyncio.Future):
+                         key: bytes, in_flight: int, queue: int, receiving: asyncio.Future):
         worker = self.worker
-        offer = worker.offer(len(ids), load, queue)
+        offer = worker.offer(len(ids), in_flight, queue)
         request = wire_convert.handoff_request(HandoffCall(
             call.request_id, transfer.transfer_id, ids, offer, call.forced_action, key,
             worker.settings.encrypt_data_plane, call.forced_schedule))
@@ -177,7 +177,8 @@ class Handoffs:
         self.prefill.report(peer, reply.queue_depth)
         return reply
 
-    def _learn(self, result, reply: HandoffReply | None, prompt_len: int, load: int) -> Handed:
+    def _learn(self, result, reply: HandoffReply | None, prompt_len: int, sharing: float
+               ) -> Handed:
         worker = self.worker
         if reply is None:  # a verified cache whose reply never came: nothing to learn from
             log.warning("transfer complete but the prefill reply is late; not calibrating")
@@ -185,7 +186,7 @@ class Handoffs:
                                    measured_ms=result.timings.total_s * 1e3)
             return Handed(result.cache, result.logits, report)
         observed = HandoffObservation(
-            action=result.action, prompt_len=prompt_len, load=load, timings=result.timings,
+            action=result.action, prompt_len=prompt_len, load=sharing, timings=result.timings,
             wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
             modelled_ms=reply.model_ms, streamed=result.streamed)
         sample_gbps = worker.calibration.observe(observed)

@@ -1,8 +1,10 @@
 """The decode worker: model, tokenizer, data-plane receiver, calibration behind `Decode.Generate`.
 
-`admit(call)` applies this worker's limits and tokenizes; `offer(prompt_len, load, queue)` is what
-the worker tells the prefill side; `receive(transfer_id, ...)` rebuilds one handoff's cache from the
-data plane (the transfer must be opened on `receiver` first); `recompute(ids, capacity)` is the
+`admit(call)` applies this worker's limits and tokenizes; `offer(prompt_len, in_flight, queue)` is
+what the worker tells the prefill side: γ for the requests generating here plus one, and the
+compute committed here by planned handoffs (`backlog`); `receive(transfer, ...)` rebuilds one
+handoff's cache from the data plane (the transfer must be opened on `receiver` first) and says
+how many requests computed here meanwhile (`sharing`); `recompute(ids, capacity)` is the
 fallback that builds the cache here from the token ids; `decoder(cache)` gives a request's decode
 step.
 Thread-safe: the blocking methods run on worker threads.
@@ -10,6 +12,7 @@ Thread-safe: the blocking methods run on worker threads.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,6 +25,7 @@ from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.transport import create_receiver
 from rekv_core.transport.base import PREFETCH
 from services.calls import DecodeOffer, GenerateCall
+from services.decode.sharing import SharingMeter
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
 from services.serving import Worker
@@ -38,6 +42,7 @@ class DecodeWorker(Worker):
                                                        settings.profile)
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.generating = 0  # requests in their decode loop
+        self.sharing = SharingMeter(self.computing)
         metrics.link.set_function(lambda: self.calibration.link_gbps)
         metrics.transport_pending.set_function(lambda: sum(self.receiver.pending().values()))
         metrics.connections.set_function(self.receiver.connections)
@@ -83,24 +88,53 @@ class DecodeWorker(Worker):
         running = (TransferState.PREFIX, TransferState.JOINING)
         return self.generating + sum(self.transfers.count(state) for state in running)
 
-    def offer(self, prompt_len: int, load: int, queue: int) -> DecodeOffer:
+    def sharers(self) -> int:
+        """How many would share this worker's compute with one more request's suffix: it, and
+        the requests generating here (a handoff's compute is counted in `backlog_ms` instead)."""
+        return 1 + self.generating
+
+    def backlog(self) -> tuple[float, tuple[str, ...]]:
+        """The compute committed here by handoffs whose plan has arrived (ms: each one's layers
+        at this worker's γ, less what it has run since it began computing, sharing the compute
+        with the others computing now), and those handoffs' transfer ids."""
+        now, sharing = time.monotonic(), max(1, self.computing())
+        total, planned = 0.0, []
+        for transfer in self.transfers.live():
+            if transfer.compute_layers == 0 or transfer.ended:
+                continue
+            work = transfer.compute_layers * self.calibration.suffix_ms_per_layer(
+                transfer.prompt_len, 1)
+            began = transfer.computing_since()
+            done = 0.0 if began is None else (now - began) * 1e3 / sharing
+            total += max(0.0, work - done)
+            planned.append(transfer.transfer_id)
+        return total, tuple(planned)
+
+    def offer(self, prompt_len: int, in_flight: int, queue: int) -> DecodeOffer:
+        backlog_ms, planned = self.backlog()
         return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
                            address=self.receiver.address, codecs=tuple(self.settings.codecs),
-                           queue_depth=queue, handoffs_in_flight=load,
-                           costs=self.calibration.offer(prompt_len, load),
+                           queue_depth=queue, handoffs_in_flight=in_flight,
+                           costs=self.calibration.offer(prompt_len, self.sharers()),
                            accepts_streamed=True,
                            chunk_tokens=self.settings.boundary_chunk_tokens,
-                           computing=self.computing())
+                           computing=self.computing(), backlog_ms=backlog_ms,
+                           planned=planned)
 
     def receive(self, transfer: Transfer, prompt_len: int, max_new_tokens: int, key: bytes
-                ) -> HandoffResult:
-        return receive_handoff(self.model, self.receiver, transfer.transfer_id, "overlap",
-                               self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key,
-                               transfer, self.settings.encrypt_data_plane)
+                ) -> tuple[HandoffResult, float]:
+        """The handoff's result, and how many requests computed here on average (this one
+        included) from its suffix's start to the complete cache."""
+        called = time.perf_counter()
+        result = receive_handoff(self.model, self.receiver, transfer.transfer_id, "overlap",
+                                 self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key,
+                                 transfer, self.settings.encrypt_data_plane)
+        t = result.timings
+        return result, self.sharing.average(called + t.h_s, called + t.total_s - t.j_s)
 
-    def recompute_s(self, prompt_len: int, load: int) -> float:
+    def recompute_s(self, prompt_len: int) -> float:
         """What recomputing a prompt here would take, by this worker's calibration."""
-        per_layer_ms = self.calibration.suffix_ms_per_layer(prompt_len, load)
+        per_layer_ms = self.calibration.suffix_ms_per_layer(prompt_len, self.sharers())
         return per_layer_ms * self.shape.num_layers / 1e3
 
     def handoff_memory(self, prompt_len: int, max_new_tokens: int) -> int:
@@ -119,4 +153,5 @@ class DecodeWorker(Worker):
         return decode_steps(self.model, cache)
 
     def close(self) -> None:
+        self.sharing.close()
         self.receiver.shutdown()

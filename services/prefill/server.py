@@ -51,7 +51,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         started = time.perf_counter()
         metrics.in_flight.inc()
         self.active += 1
-        transfer = None
+        transfer = call = None
         try:
             call = wire_convert.handoff_call(request, worker.shape.name,  # 1
                                              worker.shape.num_layers)
@@ -78,6 +78,8 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                 raise
             await context.abort(code, str(exc))
         finally:
+            if call is not None:
+                worker.handoff_ended(call)
             metrics.in_flight.dec()
             self.active -= 1
         report = sent.report  # 5
@@ -86,7 +88,8 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
         log.info("request=%s transfer=%s tokens=%d action=%s schedule=%s predicted_ms=%.1f "
                  "prefill_ms=%.1f "
                  "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
-                 "send_gbps=%.3f top=%s total_ms=%.1f",
+                 "send_gbps=%.3f top=%s total_ms=%.1f queues=%d/%d waits_ms=%.0f/%.0f "
+                 "suffix_ms_per_layer=%.1f",
                  call.request_id, call.transfer_id, len(call.token_ids), decision.action,
                  schedule, decision.predicted_ms, sent.prefill_s * 1e3,
                  report.quantize_seconds * 1e3,
@@ -94,7 +97,10 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                  call.offer.costs.link_gbps, worker.calibration.send_throughput.gbps,
                  ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}"
                           for p, ms in decision.candidates[:4]),
-                 (time.perf_counter() - started) * 1e3)
+                 (time.perf_counter() - started) * 1e3, decision.inputs.prefill_queue,
+                 decision.inputs.decode_queue, decision.inputs.prefill_wait_ms,
+                 decision.inputs.decode_wait_ms,
+                 decision.inputs.suffix_ms_per_layer)
         return wire_convert.handoff_response(HandoffReply(
             action=decision.action, predicted_ms=decision.predicted_ms,
             model_ms=decision.model_ms, prefill_ms=sent.prefill_s * 1e3,

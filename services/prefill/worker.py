@@ -30,6 +30,7 @@ from rekv_core.transport import TransportError, create_sender_pool
 from services.calls import HandoffCall
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
+from services.prefill.assigned import AssignedWork
 from services.prefill.faults import Faults
 from services.serving import Worker
 from services.settings import ServiceSettings
@@ -56,6 +57,7 @@ class PrefillWorker(Worker):
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self._compute = threading.Lock()
         self.backlog = _Backlog()  # the prefill compute queued or running here
+        self.assigned = AssignedWork()  # decode-side compute given out, for offers made before
         self.faults = Faults(settings.fault_inject, settings.fault_hold_s)
         metrics.link.set(self.calibration.link_gbps(0.0))
         metrics.transport_pending.set_function(
@@ -91,20 +93,27 @@ class PrefillWorker(Worker):
                         offer.chunk_tokens)
 
     def decide(self, call: HandoffCall, schedule: Schedule, queue: int = 0) -> Decision:
-        """`queue`: this worker's other handoffs, waiting or running. The decode worker's other
-        requests computing there (generating, or running a suffix) share its compute with a
-        suffix it runs for this one, which the planner weighs (`cost.predict`'s load term);
-        handoffs there still waiting for their data do not."""
+        """`queue`: this worker's other handoffs, waiting or running. The decode side's compute
+        ahead of this request is the backlog its offer reports plus that of this worker's
+        handoffs in flight whose plan the offer had not counted yet; the requests computing
+        there are the ones this request's suffix would delay (`cost.predict`'s load term). The
+        decision's own decode-side compute is recorded until `handoff_ended`."""
         costs = call.offer.costs
+        unseen = self.assigned.unseen(call.offer.planned)
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
             prefill_queue=queue, decode_queue=call.offer.computing,
-            prefill_wait_ms=self.backlog.ms)
+            prefill_wait_ms=self.backlog.ms, decode_wait_ms=call.offer.backlog_ms + unseen)
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
                                        link_measured=costs.link_gbps > 0)
+        self.assigned.add(call.transfer_id, (self.shape.num_layers - decision.action.cut)
+                          * costs.suffix_ms_per_layer)
         self.metrics.link.set(inputs.link_gbps)
         return decision
+
+    def handoff_ended(self, call: HandoffCall) -> None:
+        self.assigned.ended(call.transfer_id)
 
     def handoff_memory(self, prompt_len: int) -> int:
         """What one handoff holds here: every layer's K and V and the hidden states the prefill

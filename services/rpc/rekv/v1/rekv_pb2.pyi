@@ -157,7 +157,7 @@ class HandoffRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,8 @@ class DecodeOffer(_message.Message):
     ACCEPTS_STREAMED_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTING_FIELD_NUMBER: _ClassVar[int]
+    BACKLOG_MS_FIELD_NUMBER: _ClassVar[int]
+    PLANNED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -204,7 +206,9 @@ class DecodeOffer(_message.Message):
     accepts_streamed: bool
     boundary_chunk_tokens: int
     computing: int
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ...) -> None: ...
+    backlog_ms: float
+    planned_transfers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action")

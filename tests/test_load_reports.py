@@ -1,0 +1,78 @@
+"""What the workers report of their load, for the planner's queues on both sides.
+
+The decode worker: `SharingMeter`, how many requests computed beside a suffix while it ran (the
+calibration divides suffix times by it), and `backlog()`, the compute committed to it by the
+handoffs whose plan has arrived. The prefill worker: `AssignedWork`, the decode-side compute of
+its own decisions that a decode offer made before them cannot have counted.
+"""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from rekv_core.handoff.transfer import Transfer, TransferBook, TransferState
+from services.decode.sharing import SharingMeter
+from services.decode.worker import DecodeWorker
+from services.prefill.assigned import AssignedWork
+
+
+def test_the_meter_averages_the_count_over_an_interval():
+    count = {"now": 3}
+    meter = SharingMeter(lambda: count["now"], period_s=0.005)
+    try:
+        t0 = time.perf_counter()
+        time.sleep(0.3)
+        t1 = time.perf_counter()
+        count["now"] = 1
+        time.sleep(0.3)
+        t2 = time.perf_counter()
+        assert meter.average(t0, t1) == pytest.approx(3.0, abs=0.25)
+        assert meter.average(t1, t2) == pytest.approx(1.0, abs=0.25)
+        assert meter.average(t0, t2) == pytest.approx(2.0, abs=0.3)
+        # too short an interval to tell: the count now
+        assert meter.average(t2, t2 + 0.001) == 1.0
+    finally:
+        meter.close()
+
+
+def _decode_worker(book: TransferBook, computing: int = 0) -> DecodeWorker:
+    worker = object.__new__(DecodeWorker)
+    worker.transfers, worker.generating = book, computing
+    worker.calibration = SimpleNamespace(suffix_ms_per_layer=lambda prompt_len, load: 10.0)
+    return worker
+
+
+def test_the_decode_backlog_counts_planned_handoffs_less_what_they_have_run():
+    book = TransferBook()
+    negotiating = Transfer("negotiating", book=book)  # no plan yet: nothing known
+    planned = Transfer("planned", book=book)
+    planned.planned(20, 512)
+    planned.advance(TransferState.BOUNDARY)
+    running = Transfer("running", book=book)
+    running.planned(30, 512)
+    running.advance(TransferState.BOUNDARY)
+    running.advance(TransferState.PREFIX)
+    running.entered[TransferState.PREFIX] -= 0.1  # 100 ms of compute, alone on the worker
+    transfer_only = Transfer("transfer-only", book=book)
+    transfer_only.planned(0, 512)
+    transfer_only.advance(TransferState.BOUNDARY)
+    ms, ids = _decode_worker(book).backlog()
+    assert set(ids) == {"planned", "running"}
+    assert ms == pytest.approx(20 * 10.0 + 30 * 10.0 - 100.0, abs=5.0)
+    running.advance(TransferState.DONE)
+    assert _decode_worker(book).backlog() == (pytest.approx(200.0), ("planned",))
+    assert negotiating.computing_since() is None
+
+
+def test_the_prefill_counts_its_decisions_a_stale_offer_missed():
+    work = AssignedWork(grace_s=1.0)
+    work.add("a", 300.0)
+    work.add("b", 50.0)
+    assert work.unseen(planned=()) == 350.0
+    assert work.unseen(planned=("a",)) == 50.0  # the offer counted a already
+    work.ended("a", at=100.0)
+    assert work.unseen(planned=(), now=100.5) == 350.0  # an offer made before a left
+    assert work.unseen(planned=(), now=101.5) == 50.0  # forgotten after the grace
+    work.ended("unknown", at=100.0)  # a call that failed before its decision
+    assert work.unseen(planned=(), now=200.0) == 50.0
