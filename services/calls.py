@@ -9,6 +9,7 @@ that depend on a worker's settings are checked by that worker.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from rekv_core.handoff import Action, Schedule, WireBytes
@@ -44,7 +45,7 @@ class DecodeOffer:
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done
-    planned: tuple[str, ...] = ()  # those handoffs' transfer ids
+    planned: Collection[str] = frozenset()  # those handoffs' transfer ids
 
 
 @dataclass(frozen=True)

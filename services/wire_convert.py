@@ -188,7 +188,17 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk,
                           computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
-                          planned=tuple(offer.planned_transfers)))
+                          planned=_planned(offer.planned_transfers)))
+
+
+MAX_PLANNED_TRANSFERS = 4096
+
+
+def _planned(ids) -> frozenset[str]:
+    if len(ids) > MAX_PLANNED_TRANSFERS:
+        raise InvalidArgument(f"offer.planned_transfers: {len(ids)} ids exceed the limit of "
+                              f"{MAX_PLANNED_TRANSFERS}")
+    return frozenset(ids)
 
 
 def _check_data_plane_address(address: str) -> None:

@@ -67,12 +67,15 @@ def test_the_decode_backlog_counts_planned_handoffs_less_what_they_have_run():
 
 def test_the_prefill_counts_its_decisions_a_stale_offer_missed():
     work = AssignedWork(grace_s=1.0)
-    work.add("a", 300.0)
-    work.add("b", 50.0)
-    assert work.unseen(planned=()) == 350.0
-    assert work.unseen(planned=("a",)) == 50.0  # the offer counted a already
+    work.add("decode-1:5000", "a", 300.0)
+    work.add("decode-1:5000", "b", 50.0)
+    work.add("decode-2:5000", "c", 700.0)  # another decode worker's: never this one's wait
+    assert work.unseen("decode-1:5000", planned=()) == 350.0
     work.ended("a", at=100.0)
-    assert work.unseen(planned=(), now=100.5) == 350.0  # an offer made before a left
-    assert work.unseen(planned=(), now=101.5) == 50.0  # forgotten after the grace
+    assert work.unseen("decode-1:5000", planned=(), now=100.5) == 350.0  # an offer made before
+    assert work.unseen("decode-1:5000", planned=(), now=101.5) == 50.0  # forgotten after grace
+    # once an offer names a handoff, the decode worker counts it: dropped here for good
+    assert work.unseen("decode-1:5000", planned=frozenset({"b"})) == 0.0
+    assert work.unseen("decode-1:5000", planned=()) == 0.0
     work.ended("unknown", at=100.0)  # a call that failed before its decision
-    assert work.unseen(planned=(), now=200.0) == 50.0
+    assert work.unseen("decode-2:5000", planned=(), now=200.0) == 700.0

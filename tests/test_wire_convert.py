@@ -23,7 +23,7 @@ def _call(**offer_changes) -> HandoffCall:
                         join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence)
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
-                 computing=1)
+                 computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}))
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
                        bytes(range(32)))
@@ -65,6 +65,8 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: r.offer.ClearField("ucx_address"), "offer.ucx_address"),
     (lambda r: r.offer.codecs.append("int3"), "offer.codecs"),
     (lambda r: setattr(r.forced_action, "cut", 31), "forced_action.cut"),
+    (lambda r: setattr(r.offer, "backlog_ms", -1.0), "offer.backlog_ms"),
+    (lambda r: r.offer.planned_transfers.extend(["t"] * 5000), "offer.planned_transfers"),
 ])
 def test_a_malformed_call_names_its_field(change, field):
     request = wire_convert.handoff_request(_call())

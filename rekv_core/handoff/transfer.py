@@ -132,7 +132,8 @@ class Transfer:
     def planned(self, compute_layers: int, prompt_len: int) -> None:
         """The plan arrived: the receiving side will compute `compute_layers` layers of
         `prompt_len` tokens (what its load report counts as work ahead of a new request)."""
-        self.compute_layers, self.prompt_len = compute_layers, prompt_len
+        self.prompt_len = prompt_len  # first: a reader that sees the layers sees the length
+        self.compute_layers = compute_layers
 
     def computing_since(self) -> float | None:
         """When the receiving side began computing this handoff (monotonic), if it has."""

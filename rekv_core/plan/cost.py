@@ -7,8 +7,9 @@ compute already committed to the decode worker (`decode_wait_ms`), from the deco
 the handoff is sent (`streamed`, `chunk_tokens`). W is the link rate in bytes/ms,
 `lat` its latency, m the fixed cost of one data-plane message (measured by the decode worker).
 Every time counts from the start of the prefill to the decode side's complete cache and
-first-token logits. Decode-side compute starts no earlier than D_w: the decode worker's compute is
-a queue, as the prefill worker's is (P_w).
+first-token logits. Decode-side compute (R, or token-only's L·γ) starts no earlier than D_w: the
+decode worker's compute is a queue, as the prefill worker's is (P_w); transfer-only computes
+nothing there and does not wait for it.
 
 The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` false:
 
@@ -40,7 +41,8 @@ The planner ranks by T plus the wait the action puts on the other requests (`loa
 pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in
 turn, and in a busy pipeline each of them waits for the longer of this request's two stages, not
 for the sum: `load_ms` = (prefill queue + decode queue) · max(prefill compute, suffix compute),
-least where the stages balance. With nothing else in flight it is 0 and T alone decides; under
+least where the stages balance (streamed; the seed's schedule prefills every layer whatever the
+cut, so there the term hardly moves). With nothing else in flight it is 0 and T alone decides; under
 load it keeps the cut between the ends, where the two pools serve the most requests, instead of
 swinging it from one end to the other as the queues move.
 
@@ -156,7 +158,7 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     r = (L - c) * gamma
     arrived = max(wait + c * step, prefix_end)
     first = None
-    suffix_end = inputs.decode_wait_ms
+    suffix_end = max(0.0, inputs.decode_wait_ms - lat)  # this branch adds lat at the end
     per_row = wire.boundary / S  # bytes of one row of h_c as it travels
     coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):

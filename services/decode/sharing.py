@@ -15,10 +15,13 @@ an interval shorter than two periods, or older than the history, gets the count 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+
+log = logging.getLogger("rekv.decode")
 
 
 class SharingMeter:
@@ -37,7 +40,11 @@ class SharingMeter:
     def _run(self) -> None:
         last, integral = self._times[0], 0.0
         while not self._stop.wait(self._period):
-            count = self._count()
+            try:
+                count = self._count()
+            except Exception:  # keep sampling; one bad read must not end the meter
+                log.exception("sharing meter: counting failed")
+                continue
             now = time.perf_counter()
             integral += count * (now - last)
             last = now

@@ -95,15 +95,16 @@ class DecodeWorker(Worker):
 
     def backlog(self) -> tuple[float, tuple[str, ...]]:
         """The compute committed here by handoffs whose plan has arrived (ms: each one's layers
-        at this worker's γ, less what it has run since it began computing, sharing the compute
-        with the others computing now), and those handoffs' transfer ids."""
-        now, sharing = time.monotonic(), max(1, self.computing())
+        at the γ offered now, less what it has run since it began computing, sharing the
+        compute with the other handoffs computing now), and those handoffs' transfer ids."""
+        now, sharers = time.monotonic(), self.sharers()
+        sharing = max(1, self.computing() - self.generating)
         total, planned = 0.0, []
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
                 continue
             work = transfer.compute_layers * self.calibration.suffix_ms_per_layer(
-                transfer.prompt_len, 1)
+                transfer.prompt_len, sharers)
             began = transfer.computing_since()
             done = 0.0 if began is None else (now - began) * 1e3 / sharing
             total += max(0.0, work - done)

@@ -99,7 +99,7 @@ class PrefillWorker(Worker):
         there are the ones this request's suffix would delay (`cost.predict`'s load term). The
         decision's own decode-side compute is recorded until `handoff_ended`."""
         costs = call.offer.costs
-        unseen = self.assigned.unseen(call.offer.planned)
+        unseen = self.assigned.unseen(call.offer.address, call.offer.planned)
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
             prefill_queue=queue, decode_queue=call.offer.computing,
@@ -107,7 +107,8 @@ class PrefillWorker(Worker):
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
                                        link_measured=costs.link_gbps > 0)
-        self.assigned.add(call.transfer_id, (self.shape.num_layers - decision.action.cut)
+        self.assigned.add(call.offer.address, call.transfer_id,
+                          (self.shape.num_layers - decision.action.cut)
                           * costs.suffix_ms_per_layer)
         self.metrics.link.set(inputs.link_gbps)
         return decision
