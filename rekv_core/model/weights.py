@@ -19,6 +19,7 @@ a mismatched shape raises an error that names it.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,8 +190,6 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> ModelWeights:
     """The GGUF file's weights, from the model cache (`conversion_cache`) after the first time."""
-    import sys
-
     from rekv_core.model import shapes, weights_entry
     from rekv_core.model.conversion_cache import cached, code_version
 

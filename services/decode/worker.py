@@ -85,8 +85,12 @@ class DecodeWorker(Worker):
     def computing(self) -> int:
         """Requests whose compute runs here now: generating, or a handoff's suffix or token-only
         recompute. A handoff still waiting for its data computes nothing yet."""
-        running = (TransferState.PREFIX, TransferState.JOINING)
-        return self.generating + sum(self.transfers.count(state) for state in running)
+        return self.generating + self.handoffs_computing()
+
+    def handoffs_computing(self) -> int:
+        """Handoffs whose suffix or token-only recompute runs here now."""
+        return sum(self.transfers.count(state)
+                   for state in (TransferState.PREFIX, TransferState.JOINING))
 
     def sharers(self) -> int:
         """How many would share this worker's compute with one more request's suffix: it, and
@@ -98,7 +102,7 @@ class DecodeWorker(Worker):
         at the γ offered now, less what it has run since it began computing, sharing the
         compute with the other handoffs computing now), and those handoffs' transfer ids."""
         now, sharers = time.monotonic(), self.sharers()
-        sharing = max(1, self.computing() - self.generating)
+        sharing = max(1, self.handoffs_computing())
         total, planned = 0.0, []
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
