@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from rekv_core.handoff import HandoffResult, receive_handoff
-from rekv_core.handoff.transfer import Transfer, TransferState
+from rekv_core.handoff.transfer import Transfer, TransferBook, TransferState
 from rekv_core.model import KVCache, decode_steps, prefill
 from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
@@ -85,12 +85,7 @@ class DecodeWorker(Worker):
     def computing(self) -> int:
         """Requests whose compute runs here now: generating, or a handoff's suffix or token-only
         recompute. A handoff still waiting for its data computes nothing yet."""
-        return self.generating + self.handoffs_computing()
-
-    def handoffs_computing(self) -> int:
-        """Handoffs whose suffix or token-only recompute runs here now."""
-        return sum(self.transfers.count(state)
-                   for state in (TransferState.PREFIX, TransferState.JOINING))
+        return self.generating + handoffs_computing(self.transfers)
 
     def sharers(self) -> int:
         """How many would share this worker's compute with one more request's suffix: it, and
@@ -102,7 +97,7 @@ class DecodeWorker(Worker):
         at the γ offered now, less what it has run since it began computing, sharing the
         compute with the other handoffs computing now), and those handoffs' transfer ids."""
         now, sharers = time.monotonic(), self.sharers()
-        sharing = max(1, self.handoffs_computing())
+        sharing = max(1, handoffs_computing(self.transfers))
         total, planned = 0.0, []
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
@@ -160,3 +155,8 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         self.sharing.close()
         self.receiver.shutdown()
+
+
+def handoffs_computing(transfers: TransferBook) -> int:
+    """Handoffs whose suffix or token-only recompute runs now (one waiting for data does not)."""
+    return sum(transfers.count(state) for state in (TransferState.PREFIX, TransferState.JOINING))
