@@ -51,7 +51,8 @@ def add_bench_parser(sub) -> None:
                     "veth pair shaped with tc tbf, and time TTFT from arrival for every action "
                     "under the baseline, the seed's and the streamed schedules, and the "
                     "planner's pick, per prompt length and link rate. Without root it falls "
-                    "back to loopback with paced UCX sends. No delay emulation (no netem on this kernel).")
+                    "back to loopback with paced UCX sends. No delay emulation (no netem on "
+                    "this kernel).")
     link.add_argument("--model", default=None, help="model source (env REKV_MODEL; default "
                       "smollm2-135m), e.g. synthetic:mini-qwen2.5-7b")
     link.add_argument("--policy", default=None, help="`rekv gate` output the services load "
@@ -200,7 +201,7 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rekv_core.bench.handoff import LinkRate
-    from rekv_core.bench.ttft import SCHEDULES, TtftConfig, run_ttft_bench
+    from rekv_core.bench.ttft import PAIRED, SCHEDULES, TtftConfig, run_ttft_bench
     from rekv_core.codecs import get_codec
     from rekv_core.model.blocks import chunk_bounds
     from rekv_core.settings import RuntimeSettings
@@ -226,19 +227,35 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                         extra={"command": "rekv " + " ".join(sys.argv[1:])})
     results = run_ttft_bench(model, config, progress=console.log)
     table = Table(title="TTFT from arrival, best action of each schedule (median ms)")
-    for column in ("S", "link", "Gb/s", *SCHEDULES, "(d)/(e)", "(a)/(d)", "(b)/(d)"):
+    for column in ("S", "link", "Gb/s", *SCHEDULES, *(name for name, _ in PAIRED)):
         table.add_column(column, justify="right")
     for p in results["points"]:
         best = p["best"]
         table.add_row(str(p["prompt_len"]), p["link"], f"{p['link_gbps']:.3g}",
                       *(f"{best[s]['median_ms']:.0f} {best[s]['label'].partition(' ')[2]}"
                         for s in SCHEDULES),
-                      f"{p['chunked_over_colocated']:.2f}", f"{p['baseline_over_chunked']:.2f}",
-                      f"{p['seed_over_chunked']:.2f}")
+                      *(f"{p[key]:.2f}" for _, key in PAIRED))
     Console(width=180).print(table)
+    print_paired(results["points"], PAIRED, Console(width=180))
     print_codec_gains(results["points"], Console(width=180))
     write_json(args.json, results, indent=1)
     return 0
+
+
+def print_paired(points: list[dict], ratios, console) -> None:
+    """Each point's ratios taken round by round (`points[i]["paired"]`): median [95% CI]."""
+    from rich.table import Table
+
+    table = Table(title="The same ratios, of the samples of each round (median [95% CI])")
+    for column in ("S", "link", *(name for name, _ in ratios)):
+        table.add_column(column, justify="right")
+    for p in points:
+        cells = []
+        for _, key in ratios:
+            r = p["paired"][key]
+            cells.append(f"{r['median']:.2f} [{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}]")
+        table.add_row(str(p["prompt_len"]), p["link"], *cells)
+    console.print(table)
 
 
 def print_codec_gains(points: list[dict], console) -> None:
@@ -262,7 +279,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_cli.linkbench.report import plot
+    from rekv_cli.linkbench.report import LINK_PAIRED, plot
     from rekv_cli.linkbench.sweep import LinkBenchConfig, run_link_bench
     from rekv_core.bench.handoff import LinkRate
     from rekv_core.settings import RuntimeSettings
@@ -325,6 +342,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                         f"{p['planner']['median_ms']:.1f}",
                         "yes" if p["planner_within_10pct"] else "NO")
     out.print(summary)
+    print_paired(results["points"], LINK_PAIRED, out)
     print_codec_gains(results["points"], out)
     write_json(args.json, results, indent=1)
     if args.plot:

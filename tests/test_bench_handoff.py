@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from rekv_core.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
-from rekv_core.bench.stats import median_ci
+from rekv_core.bench.stats import median_ci, paired_ratio
 from rekv_core.handoff.action import ActionKind
 
 ROW_KEYS = {"action", "codec", "cut", "prompt_len", "link_gbps", "bytes", "median_ms", "ci95_ms",
@@ -25,6 +25,22 @@ def test_median_ci_brackets_the_median_and_narrows_with_agreement():
     assert median_ci(samples) == median_ci(samples)  # seeded: reproducible
     with pytest.raises(ValueError, match="samples"):
         median_ci([])
+
+
+def test_paired_ratios_cancel_a_drift_the_cases_share():
+    """Two cases run once per round on a machine whose speed drifts by 2x between rounds: each
+    case's own median is spread over the drift, the ratio of the same round is not."""
+    drift = [1.0, 1.5, 2.0, 1.2, 1.8, 1.1, 1.6]
+    fast = [100.0 * d for d in drift]
+    slow = [110.0 * d for d in drift]
+    ratio, (low, high) = paired_ratio(slow, fast)
+    assert ratio == pytest.approx(1.1) and high - low == pytest.approx(0.0, abs=1e-12)
+    _, (own_low, own_high) = median_ci(slow)
+    assert own_high / own_low > 1.3  # unpaired, the drift swamps the 10%
+    with pytest.raises(ValueError, match="one numerator per denominator"):
+        paired_ratio([1.0], [1.0, 2.0])
+    with pytest.raises(ValueError, match="denominators"):
+        paired_ratio([1.0], [0.0])
 
 
 def test_link_rates_parse_and_scale():

@@ -4,6 +4,7 @@ namespaces (as root), and the loopback fallback."""
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -69,6 +70,10 @@ def _check(report, png):
     assert ways["chunked"]["median_ms"] == min(r["median_ms"] for r in forced[6:8])
     assert point["baseline_over_chunked"] == pytest.approx(
         rows[0]["median_ms"] / ways["chunked"]["median_ms"])
+    paired = point["paired"]["baseline_over_chunked"]  # of the same round's two samples
+    chunked = next(r for r in forced if r["label"] == ways["chunked"]["label"])
+    assert paired["median"] == pytest.approx(statistics.median(
+        a / b for a, b in zip(rows[0]["samples_ms"], chunked["samples_ms"])))
     assert point["planner_within_10pct"] == (planner["median_ms"] <= 1.1 * best["median_ms"])
     assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -138,7 +143,8 @@ def test_a_point_says_how_each_newer_codec_moved_its_best_case():
 
     def case(label, kind, codec, cut, ms, schedule="chunked", boundary="bf16", planner=False):
         return {"label": label, "action": kind, "codec": codec, "cut": cut, "median_ms": ms,
-                "schedule": schedule, "boundary": boundary, "planner": planner}
+                "samples_ms": [ms], "schedule": schedule, "boundary": boundary,
+                "planner": planner}
 
     rows = [case("BF16 seed", "bf16_transfer", "bf16", 30, 100.0, "seed"),
             case("int8 c=15 seed", "joint", "int8", 15, 80.0, "seed"),
@@ -148,6 +154,8 @@ def test_a_point_says_how_each_newer_codec_moved_its_best_case():
     plain = point_summary(512, LinkRate.parse("x1"), 0.05, [
         *rows, case("planner", "joint", "int8", 15, 61.0, planner=True)], balanced=0.05)
     assert plain["codec_gains"] is None  # nothing newer was timed
+    assert plain["paired"]["chunked_over_local"] == {"median": pytest.approx(60.0 / 90.0),
+                                                     "ci95": [pytest.approx(60.0 / 90.0)] * 2}
     newer = [case("int4h c=15 chunked", "joint", "int4h", 15, 50.0),
              case("spectrum50 c=15 chunked", "joint", "spectrum50", 15, 64.0),
              case("int8+zb c=15 chunked", "joint", "int8", 15, 57.0, boundary="splitzip")]

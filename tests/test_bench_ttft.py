@@ -42,6 +42,12 @@ def test_bench_ttft_command(tmp_path):
         assert point["best"][schedule]["label"] == best["label"]
     assert point["chunked_over_colocated"] == pytest.approx(
         point["best"]["chunked"]["median_ms"] / point["best"]["colocated"]["median_ms"])
+    # one round: the paired ratio is that round's ratio of the same two rows
+    samples = {s: next(r for r in rows if r["label"] == point["best"][s]["label"])["samples_ms"]
+               for s in ("chunked", "colocated")}
+    paired = point["paired"]["chunked_over_colocated"]
+    assert paired["median"] == pytest.approx(samples["chunked"][0] / samples["colocated"][0])
+    assert paired["ci95"][0] <= paired["median"] <= paired["ci95"][1]
     lossless = [r for r in rows if r["codec"] in (None, "bf16")]
     assert lossless and all(r["same_first_token"] for r in lossless)
     streamed_tokens = next(r for r in rows if r["label"] == "streamed tokens/0")

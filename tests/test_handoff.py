@@ -74,6 +74,11 @@ def test_every_action_rebuilds_the_cache(smollm_bf16, tokenizer, schedule):
         t = result.timings  # eq. 9's structure: the join follows the later of the two branches
         assert min(t.h_s, t.x_s, t.r_s, t.j_s) >= 0
         assert t.total_s >= t.h_s + max(t.x_s, t.r_s) + t.j_s - 1e-9, str(action)
+        # the suffix's span (what the decode load is averaged over) holds its compute
+        if not (action.sends_boundary or action.kind is ActionKind.TOKEN_RECOMPUTE):
+            assert t.suffix_end_s == 0.0, str(action)
+        else:
+            assert t.h_s + t.r_s - 1e-9 <= t.suffix_end_s <= t.total_s - t.j_s + 1e-9, str(action)
 
 
 def _fault(kind):

@@ -6,6 +6,8 @@ handoffs whose plan has arrived. The prefill worker: `AssignedWork`, the decode-
 its own decisions that a decode offer made before them cannot have counted.
 """
 
+import itertools
+import threading
 import time
 from types import SimpleNamespace
 
@@ -39,7 +41,10 @@ def test_the_meter_averages_the_count_over_an_interval():
 def _decode_worker(book: TransferBook, computing: int = 0) -> DecodeWorker:
     worker = object.__new__(DecodeWorker)
     worker.transfers, worker.generating = book, computing
+    worker.recomputing, worker._recompute_ids = {}, itertools.count()
+    worker._recompute_lock = threading.Lock()
     worker.calibration = SimpleNamespace(suffix_ms_per_layer=lambda prompt_len, load: 10.0)
+    worker.shape = SimpleNamespace(num_layers=30)
     return worker
 
 
@@ -63,6 +68,29 @@ def test_the_decode_backlog_counts_planned_handoffs_less_what_they_have_run():
     running.advance(TransferState.DONE)
     assert _decode_worker(book).backlog() == (pytest.approx(200.0), ("planned",))
     assert negotiating.computing_since() is None
+
+
+def test_a_local_recompute_is_decode_load_while_it_runs(monkeypatch):
+    """A failed handoff's fallback recompute computes here: the worker counts it as computing
+    and its remaining work in the backlog (under no transfer id), and not once it is done."""
+    worker = _decode_worker(TransferBook(), computing=1)
+    seen = {}
+
+    def prefill(model, ids, boundaries):
+        time.sleep(0.05)
+        seen["computing"], seen["backlog"] = worker.computing(), worker.backlog()
+        return SimpleNamespace(keys="k", values="v", logits="logits")
+
+    monkeypatch.setattr("services.decode.worker.prefill", prefill)
+    monkeypatch.setattr("services.decode.worker.KVCache",
+                        SimpleNamespace(from_layers=lambda keys, values, capacity: "cache"))
+    worker.model = None
+    assert worker.recompute([1] * 512, 600) == ("cache", "logits")
+    assert seen["computing"] == 2
+    ms, ids = seen["backlog"]
+    assert ids == ()
+    assert ms == pytest.approx(30 * 10.0 - 50.0, abs=20.0)  # alone: 50 ms of it run
+    assert worker.computing() == 1 and worker.backlog() == (0.0, ())
 
 
 def test_the_prefill_counts_its_decisions_a_stale_offer_missed():

@@ -173,14 +173,15 @@ def test_an_untrusted_prediction_leaves_the_deadline_alone():
 
 
 def test_the_decode_worker_counts_as_computing_only_what_runs_on_it():
-    """The load a decode worker reports: requests generating and handoffs running their suffix or
-    a token-only recompute; a handoff still waiting for its data is not compute load."""
+    """The load a decode worker reports: requests generating, handoffs running their suffix or
+    a token-only recompute, and local recomputes after a failed handoff; a handoff still waiting
+    for its data is not compute load."""
     from types import SimpleNamespace
 
     from services.decode.worker import DecodeWorker
 
     book = TransferBook()
-    worker = SimpleNamespace(generating=2, transfers=book)
+    worker = SimpleNamespace(generating=2, transfers=book, recomputing={})
     waiting = Transfer("waiting", book=book)
     waiting.advance(TransferState.BOUNDARY)
     assert DecodeWorker.computing(worker) == 2
@@ -194,3 +195,5 @@ def test_the_decode_worker_counts_as_computing_only_what_runs_on_it():
     suffix.advance(TransferState.JOINING)
     suffix.advance(TransferState.DONE)
     assert DecodeWorker.computing(worker) == 3
+    worker.recomputing[0] = (0.0, 100.0)
+    assert DecodeWorker.computing(worker) == 4

@@ -3,17 +3,20 @@
     python -m rekv_cli.linkbench.client --decode HOST:PORT --prompt-len S --actions JSON
         --warmups W --runs N --seed K --out FILE
 
-For each case in `--actions` (a JSON list of {"action": [codec, cut] or null for the planner's
-choice, "schedule": [streamed, boundary chunk tokens] or null for the services' default}), in order:
-W untimed and N timed `Generate` calls with one new token and the same prompt of S token ids;
-writes, per case, the summaries' TTFT (from Generate's arrival on the decode worker) and measured
-handoff ms, their parts (Q, H, X, R, J), and the actions and schedules actually used.
+The cases are `--actions` (a JSON list of {"action": [codec, cut] or null for the planner's choice,
+"schedule": [streamed, boundary chunk tokens] or null for the services' default}). W untimed rounds,
+then N timed ones; a round makes one `Generate` call per case (one new token, the same prompt of S
+token ids), in an order shuffled each round (seeded by K), so a drift of the machine's speed
+touches every case alike and the i-th samples of two cases come from the same round. Writes, per
+case in the order given, the summaries' TTFT (from Generate's arrival on the decode worker) and
+measured handoff ms, their parts (Q, H, X, R, J), and the actions and schedules actually used.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 
 import grpc
@@ -35,35 +38,38 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ids = torch.randint(0, args.vocab, (args.prompt_len,),
                         generator=torch.Generator().manual_seed(args.seed)).tolist()
-    results = []
+    cases = json.loads(args.actions)
+    results = [{"forced": case["action"], "schedule": case["schedule"], "samples_ms": [],
+                "handoff_ms": [], "used": [], "predicted_ms": [], "parts_ms": [],
+                "fallbacks": 0} for case in cases]
+    order = random.Random(args.seed)
     with grpc.insecure_channel(args.decode) as channel:
-        for number, case in enumerate(json.loads(args.actions)):
-            forced = tuple(case["action"]) if case["action"] else None
-            schedule = tuple(case["schedule"]) if case["schedule"] else None
-            samples, handoffs, used, predicted, parts, fallbacks = [], [], [], [], [], 0
-            for run in range(args.warmups + args.runs):
-                g = generate(channel, f"link-{args.prompt_len}-{number}-{run}", ids, 1,
-                             forced_action=forced, forced_schedule=schedule, timeout=600)
-                s = g.summary
-                fallbacks += s.fallback
-                if run >= args.warmups:
-                    samples.append(s.ttft_ms)
-                    handoffs.append(s.measured_handoff_ms)
-                    used.append([s.action_kind, s.action.codec, s.action.cut,
-                                 s.schedule.streamed, s.schedule.boundary_chunk_tokens,
-                                 s.action.boundary or "bf16"])
-                    predicted.append(s.predicted_handoff_ms)
-                    t = s.timings
-                    parts.append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms,
-                                  "J": t.j_ms})
-            results.append({"forced": list(forced) if forced else None,
-                            "schedule": list(schedule) if schedule else None,
-                            "samples_ms": samples, "handoff_ms": handoffs, "used": used,
-                            "predicted_ms": predicted, "parts_ms": parts,
-                            "fallbacks": fallbacks})
+        for run in range(args.warmups + args.runs):
+            for number in order.sample(range(len(cases)), len(cases)):
+                _request(channel, args, ids, number, run, cases[number], results[number],
+                         timed=run >= args.warmups)
     with open(args.out, "w") as out:
         json.dump(results, out)
     return 0
+
+
+def _request(channel, args, ids: list[int], number: int, run: int, case: dict, result: dict,
+             timed: bool) -> None:
+    forced = tuple(case["action"]) if case["action"] else None
+    schedule = tuple(case["schedule"]) if case["schedule"] else None
+    g = generate(channel, f"link-{args.prompt_len}-{number}-{run}", ids, 1,
+                 forced_action=forced, forced_schedule=schedule, timeout=600)
+    s = g.summary
+    result["fallbacks"] += s.fallback
+    if not timed:
+        return
+    result["samples_ms"].append(s.ttft_ms)
+    result["handoff_ms"].append(s.measured_handoff_ms)
+    result["used"].append([s.action_kind, s.action.codec, s.action.cut, s.schedule.streamed,
+                           s.schedule.boundary_chunk_tokens, s.action.boundary or "bf16"])
+    result["predicted_ms"].append(s.predicted_handoff_ms)
+    t = s.timings
+    result["parts_ms"].append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms, "J": t.j_ms})
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ summary compares, each by its best case: (a) the baseline (full prefill, then ev
 KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) the streamed schedule
 with the boundary in one message, (d) streamed with the boundary in chunks, (e) the decode side's
 own prefill (token-only, streamed: the prefill service computes nothing; the colocated bound plus
-one RPC); and the planner against the best forced case, joint int8 against full BF16 and against
-the best single mechanism; with newer codecs in the sweep, how each moved the best forced case
-(`codec_gains`).
+one RPC), also as the median ratio of the samples of the same round (`paired`: the client runs
+every case once per round); and the planner against the best forced case, joint int8 against full
+BF16 and against the best single mechanism; with newer codecs in the sweep, how each moved the
+best forced case (`codec_gains`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import statistics
 from pathlib import Path
 
 from rekv_core.bench.handoff import LinkRate
-from rekv_core.bench.stats import median_ci
+from rekv_core.bench.stats import median_ci, paired_ratio
 from rekv_core.bench.ttft import BASE_CODECS, codec_gains
 from rekv_core.handoff import Action
 from rekv_core.handoff.action import wire_bytes
@@ -25,13 +26,16 @@ from rekv_core.model.shapes import ModelShape
 
 SINGLE_MECHANISMS = ("bf16_transfer", "quant_transfer", "bf16_recompute", "token_recompute")
 INTERIOR = ("joint", "bf16_recompute")  # kinds with a boundary
+LINK_PAIRED = (("(d)/(e)", "chunked_over_local"), ("(a)/(d)", "baseline_over_chunked"),
+               ("(b)/(d)", "seed_over_chunked"))  # the ratios a point gives both ways
 
 
 def _label(kind: str, codec: str, cut: int) -> str:
     if kind in ("bf16_transfer", "quant_transfer") and codec != "bf16":
         return f"{codec} only"
+    interior = f"{'BF16' if codec == 'bf16' else codec} c={cut}"
     return {"bf16_transfer": "BF16", "quant_transfer": f"{codec} only",
-            "token_recompute": "tokens"}.get(kind, f"{'BF16' if codec == 'bf16' else codec} c={cut}")
+            "token_recompute": "tokens"}.get(kind, interior)
 
 
 def schedule_class(streamed: bool, chunk_tokens: int) -> str:
@@ -82,13 +86,23 @@ def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balance
         in one message; chunked: an interior cut with the boundary in chunks."""
         def member(r: dict) -> bool:
             return r["schedule"] == schedule and r["action"] != "token_recompute"
-        return brief(min(filter(member, forced), key=lambda r: r["median_ms"]))
+        return min(filter(member, forced), key=lambda r: r["median_ms"])
 
-    ways = {"baseline": brief(bf16), "seed": best_of("seed"), "streamed": best_of("streamed"),
-            "chunked": best_of("chunked"),
-            "local_prefill": brief(next(r for r in forced if r["action"] == "token_recompute"))}
+    way_rows = {"baseline": bf16, "seed": best_of("seed"), "streamed": best_of("streamed"),
+                "chunked": best_of("chunked"),
+                "local_prefill": next(r for r in forced if r["action"] == "token_recompute")}
+    ways = {way: brief(r) for way, r in way_rows.items()}
+
+    def paired(numerator: str, denominator: str) -> dict:
+        ratio, (low, high) = paired_ratio(way_rows[numerator]["samples_ms"],
+                                          way_rows[denominator]["samples_ms"])
+        return {"median": ratio, "ci95": [low, high]}
+
     within = planner["median_ms"] <= 1.1 * best["median_ms"]
     return {"prompt_len": S, "link": rate.label, "link_gbps": gbps, "ways": ways,
+            "paired": {"chunked_over_local": paired("chunked", "local_prefill"),
+                       "baseline_over_chunked": paired("baseline", "chunked"),
+                       "seed_over_chunked": paired("seed", "chunked")},
             "chunked_over_local": ways["chunked"]["median_ms"] / ways["local_prefill"]["median_ms"],
             "baseline_over_chunked": bf16["median_ms"] / ways["chunked"]["median_ms"],
             "seed_over_chunked": ways["seed"]["median_ms"] / ways["chunked"]["median_ms"],

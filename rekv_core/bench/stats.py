@@ -3,6 +3,11 @@
 `median_ci(samples, level=0.95, resamples=2000, seed=0)` returns (median, (low, high)): the median
 of the samples and the `level` central interval of the medians of `resamples` resamples drawn with
 replacement. The seed is fixed so a committed result can be recomputed from its samples.
+
+`paired_ratio(numerators, denominators)` is the same for the ratios of samples taken in the same
+round (a benchmark that runs every case once per round): a drift of the machine's speed between
+rounds, which moves both samples of a round alike, cancels in each ratio, where it widens the
+spread of each case's own samples.
 """
 
 from __future__ import annotations
@@ -26,3 +31,14 @@ def median_ci(samples: Sequence[float], level: float = 0.95, resamples: int = 20
     low = medians[int(tail * (resamples - 1))]
     high = medians[int(round((1 - tail) * (resamples - 1)))]
     return statistics.median(values), (low, high)
+
+
+def paired_ratio(numerators: Sequence[float], denominators: Sequence[float],
+                 level: float = 0.95) -> tuple[float, tuple[float, float]]:
+    """The median of the per-round ratios numerators[i] / denominators[i] and its interval."""
+    if len(numerators) != len(denominators):
+        raise ValueError(f"samples: need one numerator per denominator, got "
+                         f"{len(numerators)} and {len(denominators)}")
+    if any(d <= 0 for d in denominators):
+        raise ValueError("denominators: must be positive")
+    return median_ci([n / d for n, d in zip(numerators, denominators)], level)

@@ -14,8 +14,10 @@ link, with the prefill on its own thread and the decode side on the calling thre
 (b)–(d) try every action of `actions_for` and report each; a point's summary takes each schedule's
 best action (an oracle over the same sweep for every schedule). TTFT runs from the start of the
 prefill to the decode side's complete cache and first-token logits. Runs go round-robin over the
-cases, in a shuffled order each round, after `warmups` rounds. Every run's first token is checked
-against the colocated prefill's for the lossless actions.
+cases, in a shuffled order each round, after `warmups` rounds; besides the ratios of the medians,
+each point gives the median ratio of the same round's samples (`paired`, which a drift of the
+machine's speed between rounds does not move). Every run's first token is checked against the
+colocated prefill's for the lossless actions.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import torch
 
 from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
 from rekv_core.bench.machine import machine_info
-from rekv_core.bench.stats import median_ci
+from rekv_core.bench.stats import median_ci, paired_ratio
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import wire_bytes
@@ -42,6 +44,8 @@ from rekv_core.model.executor import Model, prefill
 from rekv_core.transport.inprocess import InProcessLink
 
 SCHEDULES = ("baseline", "seed", "streamed", "chunked", "colocated")
+PAIRED = (("(d)/(e)", "chunked_over_colocated"), ("(a)/(d)", "baseline_over_chunked"),
+          ("(b)/(d)", "seed_over_chunked"))  # the ratios a point gives both ways
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,12 @@ def _point(S: int, rate: LinkRate, gbps: float, balanced: float, compute_all: fl
     best = {schedule: min((r for r in rows if r["schedule"] == schedule),
                           key=lambda r: r["median_ms"]) for schedule in SCHEDULES}
     ms = {schedule: best[schedule]["median_ms"] for schedule in SCHEDULES}
+
+    def paired(numerator: str, denominator: str) -> dict:
+        ratio, (low, high) = paired_ratio(best[numerator]["samples_ms"],
+                                          best[denominator]["samples_ms"])
+        return {"median": ratio, "ci95": [low, high]}
+
     return {"prompt_len": S, "link": rate.label, "link_gbps": gbps, "balanced_gbps": balanced,
             "compute_all_ms": compute_all * 1e3,
             "best": {schedule: {"label": r["label"], "median_ms": r["median_ms"]}
@@ -209,6 +219,9 @@ def _point(S: int, rate: LinkRate, gbps: float, balanced: float, compute_all: fl
             "baseline_over_chunked": ms["baseline"] / ms["chunked"],
             "seed_over_chunked": ms["seed"] / ms["chunked"],
             "baseline_over_seed": ms["baseline"] / ms["seed"],
+            "paired": {"chunked_over_colocated": paired("chunked", "colocated"),
+                       "baseline_over_chunked": paired("baseline", "chunked"),
+                       "seed_over_chunked": paired("seed", "chunked")},
             "codec_gains": codec_gains(rows)}
 
 
@@ -249,4 +262,5 @@ def _point_line(p: dict) -> str:
     return (f"S={p['prompt_len']} link={p['link']}: " + ", ".join(
         f"{s} {b[s]['median_ms']:.0f} ms ({b[s]['label']})" for s in SCHEDULES)
         + f"; (d)/(e) {p['chunked_over_colocated']:.2f}, (a)/(d) {p['baseline_over_chunked']:.2f}"
-          f", (b)/(d) {p['seed_over_chunked']:.2f}")
+          f", (b)/(d) {p['seed_over_chunked']:.2f}; paired: " + ", ".join(
+              f"{name} {p['paired'][key]['median']:.2f}" for name, key in PAIRED))

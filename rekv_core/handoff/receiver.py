@@ -59,6 +59,7 @@ class HandoffTimings:
     r_s: float = 0.0  # R: suffix recompute (token-only: the whole prefill)
     j_s: float = 0.0  # J: from the later branch's end to the complete cache
     total_s: float = 0.0
+    suffix_end_s: float = 0.0  # when the suffix (token-only: the prefill) ended; 0: none ran
 
 
 @dataclass
@@ -144,7 +145,8 @@ def _recompute_prompt(model: Model, inbound: Inbound, action: Action, S: int, ca
     out = prefill(model, ids, boundaries=())
     cache.load(out.keys, out.values)
     done = time.perf_counter()
-    timings = HandoffTimings(h_s=began - start, r_s=done - began, total_s=done - start)
+    timings = HandoffTimings(h_s=began - start, r_s=done - began, total_s=done - start,
+                             suffix_end_s=done - start)
     return HandoffResult(action, cache, out.logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
 
 
@@ -238,6 +240,7 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
     incoming.join_compute_stream()
     done = time.perf_counter()
     timings = HandoffTimings(h_s=boundary_at - start, x_s=max(0.0, incoming.done - boundary_at),
-                             r_s=r_seconds, j_s=done - join_start, total_s=done - start)
+                             r_s=r_seconds, j_s=done - join_start, total_s=done - start,
+                             suffix_end_s=suffix.ended - start if suffix else 0.0)
     return HandoffResult(action, cache, logits, timings, received + incoming.bytes,
                          inbound.link_sample(before=computing))

@@ -12,6 +12,8 @@ Thread-safe: the blocking methods run on worker threads.
 
 from __future__ import annotations
 
+import itertools
+import threading
 import time
 from collections.abc import Callable
 
@@ -42,6 +44,10 @@ class DecodeWorker(Worker):
                                                        settings.profile)
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.generating = 0  # requests in their decode loop
+        # the local recomputes running now (failed handoffs): their start (monotonic) and work (ms)
+        self.recomputing: dict[int, tuple[float, float]] = {}
+        self._recompute_ids = itertools.count()
+        self._recompute_lock = threading.Lock()
         self.sharing = SharingMeter(self.computing)
         metrics.link.set_function(lambda: self.calibration.link_gbps)
         metrics.transport_pending.set_function(lambda: sum(self.receiver.pending().values()))
@@ -83,9 +89,10 @@ class DecodeWorker(Worker):
         return ids
 
     def computing(self) -> int:
-        """Requests whose compute runs here now: generating, or a handoff's suffix or token-only
-        recompute. A handoff still waiting for its data computes nothing yet."""
-        return self.generating + handoffs_computing(self.transfers)
+        """Requests whose compute runs here now: generating, a handoff's suffix or token-only
+        recompute, or a failed handoff's local recompute. A handoff still waiting for its data
+        computes nothing yet."""
+        return self.generating + len(self.recomputing) + handoffs_computing(self.transfers)
 
     def sharers(self) -> int:
         """How many would share this worker's compute with one more request's suffix: it, and
@@ -93,12 +100,17 @@ class DecodeWorker(Worker):
         return 1 + self.generating
 
     def backlog(self) -> tuple[float, tuple[str, ...]]:
-        """The compute committed here by handoffs whose plan has arrived (ms: each one's layers
-        at the γ offered now, less what it has run since it began computing, sharing the
-        compute with the other handoffs computing now), and those handoffs' transfer ids."""
+        """The compute committed here by handoffs whose plan has arrived and by local recomputes
+        (ms: each one's layers at the γ offered now, less what it has run since it began
+        computing, sharing the compute with the others computing now), and those handoffs'
+        transfer ids (a local recompute has none: no prefill worker counts it)."""
         now, sharers = time.monotonic(), self.sharers()
-        sharing = max(1, handoffs_computing(self.transfers))
+        sharing = max(1, handoffs_computing(self.transfers) + len(self.recomputing))
         total, planned = 0.0, []
+        with self._recompute_lock:
+            recomputes = list(self.recomputing.values())
+        for began, work in recomputes:
+            total += max(0.0, work - (now - began) * 1e3 / sharing)
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
                 continue
@@ -124,13 +136,15 @@ class DecodeWorker(Worker):
     def receive(self, transfer: Transfer, prompt_len: int, max_new_tokens: int, key: bytes
                 ) -> tuple[HandoffResult, float]:
         """The handoff's result, and how many requests computed here on average (this one
-        included) from its suffix's start to the complete cache."""
+        included) while its suffix ran (1.0 for transfer-only, which computes nothing here)."""
         called = time.perf_counter()
         result = receive_handoff(self.model, self.receiver, transfer.transfer_id, "overlap",
                                  self.settings.handoff_timeout_s, max_new_tokens, prompt_len, key,
                                  transfer, self.settings.encrypt_data_plane)
         t = result.timings
-        return result, self.sharing.average(called + t.h_s, called + t.total_s - t.j_s)
+        if t.suffix_end_s <= 0.0:
+            return result, 1.0
+        return result, self.sharing.average(called + t.h_s, called + t.suffix_end_s)
 
     def recompute_s(self, prompt_len: int) -> float:
         """What recomputing a prompt here would take, by this worker's calibration."""
@@ -145,7 +159,17 @@ class DecodeWorker(Worker):
         return cache + shape.boundary_bytes(prompt_len) + read_ahead
 
     def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
-        out = prefill(self.model, ids, boundaries=())
+        """The prompt's cache and first logits, computed here (counted as this worker's load
+        while it runs)."""
+        work_ms = self.recompute_s(len(ids)) * 1e3
+        with self._recompute_lock:
+            key = next(self._recompute_ids)
+            self.recomputing[key] = (time.monotonic(), work_ms)
+        try:
+            out = prefill(self.model, ids, boundaries=())
+        finally:
+            with self._recompute_lock:
+                del self.recomputing[key]
         return KVCache.from_layers(out.keys, out.values, capacity), out.logits
 
     def decoder(self, cache: KVCache) -> Callable[[int], torch.Tensor]:
