@@ -66,7 +66,7 @@ def test_chunked_suffix_is_bit_identical(smollm_fp32, smollm_bf16, dtype, seq_le
 
 
 def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=None,
-              transfer=None):
+              transfer=None, hooks=None):
     source = LivePrefill(model, ids, action.cut, on_done=on_done)
     with InProcessLink() as link:
         link.receiver.open("r")
@@ -75,7 +75,7 @@ def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=No
         def send():
             try:
                 send_handoff(link.sender, "r", action, model.shape, ids, source,
-                             chunk_tokens=chunk_tokens, transfer=transfer)
+                             chunk_tokens=chunk_tokens, transfer=transfer, hooks=hooks)
             except Exception as exc:  # noqa: BLE001 - surfaced by the test
                 errors.append(exc)
             finally:
@@ -116,6 +116,41 @@ def test_streamed_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk):
             assert torch.equal(result.logits, ref.logits)
         if 0 < cut < L:
             assert result.timings.r_s > 0
+
+
+class _Names:
+    """Send hooks that record the names of the messages posted, in order."""
+
+    def __init__(self):
+        self.names = []
+
+    def before_send(self, message):
+        return message
+
+    def after_send(self, name):
+        self.names.append(name)
+
+
+@pytest.mark.parametrize("codec,cut", [("bf16", 9), ("bf16", 1), ("int8", 9)])
+def test_the_first_boundary_chunk_overtakes_the_last_prefix_layer(smollm_bf16, codec, cut):
+    """Streamed: layers 0..c−2 as computed, then the boundary's first chunk and layer c−1 (both
+    exist once layer c−1 is computed), then the other chunks; the cache is the same."""
+    model = smollm_bf16
+    L = model.shape.num_layers
+    ids = _ids(520, seed=cut)  # two boundary chunks of 256
+    names = _Names()
+    _, result, errors = _streamed(model, ids, Action(codec, cut, L), 256, hooks=names)
+    assert not errors
+    assert names.names == ["plan", *(f"layer.{i}" for i in range(cut - 1)), "boundary",
+                           f"layer.{cut - 1}", "boundary.1"]
+    ref = prefill(model, ids)
+    for layer in range(cut, L):
+        k, v = result.cache.layer(layer)
+        assert torch.equal(k, ref.keys[layer]) and torch.equal(v, ref.values[layer])
+    if codec == "bf16":
+        k, v = result.cache.layer(cut - 1)
+        assert torch.equal(k, ref.keys[cut - 1]) and torch.equal(v, ref.values[cut - 1])
+        assert torch.equal(result.logits, ref.logits)
 
 
 def test_partial_prefill_computes_only_the_layers_below_the_cut(smollm_fp32, monkeypatch):

@@ -131,6 +131,29 @@ def test_a_chunked_boundary_takes_the_boundary_off_the_critical_path():
     assert chunked.total_ms < whole.total_ms
 
 
+def test_the_first_boundary_chunk_overtakes_the_last_prefix_layer():
+    """Streamed, the link carries layers 0..c−2, the boundary's first chunk (h_c exists with
+    layer c−1's KV), layer c−1, then the other chunks: the suffix starts one layer's encode and
+    wire time sooner than behind the whole prefix; the prefix lands one chunk later."""
+    gbps, c, S = 0.4, 10, 2048
+    inputs = _streamed(gbps, chunk=256, S=S)
+    joint = predict(Action("int8", c, L), inputs)
+    per_ms = gbps * 1e9 / 8 / 1e3
+    alpha = 0.5 * SHAPE.kv_layer_bytes(S) / 2**20
+    step = 2.0 + alpha
+    layer = wire_bytes(Action("int8", 1, L), SHAPE, S)
+    w = (layer.prefix + layer.scales) / per_ms
+    before = max((c - 1) * step + w, step + (c - 1) * w)  # link-bound here
+    chunk = 256 * SHAPE.hidden_size * 2 / per_ms
+    assert before > c * step - alpha
+    assert joint.h_ms == pytest.approx(before + chunk)
+    # the last layer lands after the first chunk, and restoring it ends the prefix
+    restore = 0.01 * SHAPE.kv_layer_bytes(S) / 2**20
+    assert joint.x_ms == pytest.approx(w + restore)
+    behind = before + w + chunk  # where the first chunk would land behind the whole prefix
+    assert behind - joint.h_ms == pytest.approx(w)
+
+
 def _ranked_first(inputs, codecs=("int8",)):
     return min(choose(inputs, list(codecs)), key=lambda p: p.total_ms + p.load_ms)
 

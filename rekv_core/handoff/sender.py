@@ -5,8 +5,9 @@
 then, from a finished prefill (the seed's schedule), the boundary h_c in token chunks followed by
 each prefix layer as soon as it is encoded, so layer 0 is on the wire while layer 1 is being
 quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
-has computed it, then the boundary chunks once it has reached the cut; for transfer-only, the last
-position's final hidden state last. It returns the seconds spent encoding (Q) and the bytes sent by
+has computed it, except that the boundary's first chunk overtakes the last one (h_c and layer c−1's
+KV exist at the same moment, and the decode side can start computing on the chunk), then the other
+chunks; for transfer-only, the last position's final hidden state last. It returns the seconds spent encoding (Q) and the bytes sent by
 kind. The receiver must have opened the request first. The handoff's `Transfer` bounds it: a
 cancelled or late handoff stops before its next message and gives up what it posted. Every message
 is sealed with the handoff's key and carries checksums of its buffers (`seal`).
@@ -19,7 +20,7 @@ prefill runs) before each layer, and every message carries the `ready` event of 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -146,10 +147,16 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         send(TOKENS, buffers={"ids": tensor_bytes(ids)}, state=TransferState.BOUNDARY)
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
-        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
+        for chunk in _boundary_chunks(plan, source, stream, boundary_codebook):
+            sent += _post_chunk(send, chunk, plan)
 
     quantize = 0.0
+    last = action.cut - 1 if action.sends_boundary and source.streamed else None
+    chunks = iter(())
     for layer in source.layers():
+        if layer.index == last:  # the boundary's first chunk overtakes the last prefix layer
+            chunks = _boundary_chunks(plan, source, stream, boundary_codebook)
+            sent += _post_chunk(send, next(chunks), plan)
         streams.follow(stream, source.device)  # after the compute that produced the layer
         start = time.perf_counter()
         with streams.on_stream(stream):
@@ -159,9 +166,9 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
              state=TransferState.PREFIX)
         sent += split_layer_bytes(encoded.header()["buffers"])
+    for chunk in chunks:  # a streamed boundary's other chunks
+        sent += _post_chunk(send, chunk, plan)
 
-    if action.sends_boundary and source.streamed:
-        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
     if action.cut == action.num_layers:
         streams.follow(stream, source.device)
         with streams.on_stream(stream):
@@ -172,19 +179,22 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 
-def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting,
-                   codebook: list[int] | None) -> WireBytes:
-    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message per chunk of rows
-    (`Plan.boundary_chunks`)."""
+def _boundary_chunks(plan: Plan, source: PrefillSource, stream,
+                     codebook: list[int] | None) -> Iterator[tuple[int, dict, bytes]]:
+    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message's (index, buffers, header)
+    per chunk of rows (`Plan.boundary_chunks`), each encoded when it is asked for."""
     streams.follow(stream, source.device)
-    sent = 0
     with streams.on_stream(stream):
         h_c = source.boundary().to(torch.bfloat16)
         codebook = chunk_codebook(h_c, plan.boundary, codebook)
-    state = None if plan.streamed else TransferState.BOUNDARY
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
         with streams.on_stream(stream):
             buffers, extra = encode_chunk(h_c[s0:s1], plan.boundary, codebook)
-        send(boundary_name(chunk), with_checksums(buffers, extra), buffers, state=state)
-        sent += sum(b.numel() for b in buffers.values())
-    return WireBytes(boundary=sent)
+        yield chunk, buffers, with_checksums(buffers, extra)
+
+
+def _post_chunk(send: _Posting, chunk: tuple[int, dict, bytes], plan: Plan) -> WireBytes:
+    index, buffers, header = chunk
+    send(boundary_name(index), header, buffers,
+         state=None if plan.streamed else TransferState.BOUNDARY)
+    return WireBytes(boundary=sum(b.numel() for b in buffers.values()))

@@ -93,6 +93,8 @@ class LivePrefill:
                 for step in iter_layers(model, h, 0, self.cut,
                                         importance_window=self.importance_window):
                     self.compute_s += time.perf_counter() - started
+                    if step.index == self.cut - 1:  # h_c exists with the last layer's KV
+                        self._h = step.hidden_out
                     yield ProducedLayer(step.index, step.keys, step.values, step.importance)
                     started = time.perf_counter()
                     h = step.hidden_out

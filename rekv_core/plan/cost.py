@@ -21,8 +21,8 @@ The seed's schedule (a full prefill, then the handoff, eqs. 8–9), `streamed` f
     R = (L − c)·γ
   and transfer-only (c = L) adds the head's bytes and has R = 0.
 
-Streamed (the prefill sends each layer as it computes it, stops at the cut, then sends the boundary
-in chunks; the decode side starts its layers on each chunk): with one layer's step s = γ_p + α_b
+Streamed (the prefill sends each layer as it computes it and stops at the cut; the boundary goes
+in chunks, and the decode side starts its layers on each chunk): with one layer's step s = γ_p + α_b
 and its wire time w = B_layer/W + m,
 
 - token-only: T = max(lat + m + tokens/W, D_w) + L·γ + J (the prefill computes nothing, and
@@ -31,10 +31,12 @@ and its wire time w = B_layer/W + m,
   the prefill produces, from when the prefill worker may compute, P_w after the request's
   arrival: the compute queued ahead of it), restored one layer later;
 - transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
-- otherwise the chunks follow the prefix on the link from max(P_w + c·s, E) on, each
-  rows·(B_H/S/W + coding per row) + m,
-  and each chunk's share of R = (L − c)·γ starts once it and the previous chunk's are done (the
-  first no earlier than D_w):
+- otherwise the boundary's first chunk overtakes the last prefix layer: the first c − 1 layers
+  are on the link until E' = P_w + max((c − 1)·s + w, s + (c − 1)·w) (P_w for c = 1), h_c exists
+  at P_w + c·s − α_b, and from the later of the two the link carries the first chunk, the last
+  layer (encoded meanwhile: α_b + w; its arrival is the prefix's, E), then the other chunks, each
+  rows·(B_H/S/W + coding per row) + m; each chunk's share of R = (L − c)·γ starts once it has
+  arrived and the previous chunk's share is done (the first no earlier than D_w):
   T = lat + max(suffix end, E + restore_b(1 layer)) + J.
 
 The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
@@ -149,21 +151,27 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, S, shape.head_dim))
     w = (layer.prefix + layer.scales) / per_ms + m
     wait = inputs.prefill_wait_ms
-    prefix_end = wait + max(c * step + w, step + c * w)
     prefill = c * inputs.prefill_ms_per_layer
     if c == L:
-        end = prefix_end + wire.head / per_ms + m + restore
+        end = wait + max(c * step + w, step + c * w) + wire.head / per_ms + m + restore
         return Prediction(action, lat + end + join, lat + step, end - step, 0.0, join,
                           wire.total, prefill)
     r = (L - c) * gamma
-    arrived = max(wait + c * step, prefix_end)
-    first = None
+    # the first c − 1 layers, then the boundary's first chunk as soon as h_c exists, then the
+    # last layer, then the other chunks
+    before = wait + (max((c - 1) * step + w, step + (c - 1) * w) if c > 1 else 0.0)
+    ready = wait + c * step - alpha
+    link = max(ready, before)
+    first = prefix_end = None
     suffix_end = max(0.0, inputs.decode_wait_ms - lat)  # this branch adds lat at the end
     per_row = wire.boundary / S  # bytes of one row of h_c as it travels
     coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
-        arrived += (s1 - s0) * (per_row / per_ms + coding) + m
-        first = arrived if first is None else first
+        link += (s1 - s0) * (per_row / per_ms + coding) + m
+        arrived = link
+        if first is None:
+            first = arrived
+            link = prefix_end = max(link, ready + alpha) + w
         suffix_end = max(arrived, suffix_end) + r * (s1 - s0) / S
     end = max(suffix_end, prefix_end + restore)
     return Prediction(action, lat + end + join, lat + first,
