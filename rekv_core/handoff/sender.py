@@ -7,8 +7,8 @@ each prefix layer as soon as it is encoded, so layer 0 is on the wire while laye
 quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
 has computed it, except that the boundary's first chunk overtakes the last one (h_c and layer c−1's
 KV exist at the same moment, and the decode side can start computing on the chunk), then the other
-chunks; for transfer-only, the last position's final hidden state last. It returns the seconds spent encoding (Q) and the bytes sent by
-kind. The receiver must have opened the request first. The handoff's `Transfer` bounds it: a
+chunks; for transfer-only, the last position's final hidden state last. It returns the seconds
+spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first. The handoff's `Transfer` bounds it: a
 cancelled or late handoff stops before its next message and gives up what it posted. Every message
 is sealed with the handoff's key and carries checksums of its buffers (`seal`).
 

@@ -222,8 +222,8 @@ def samples_link(action: Action, inputs: CostInputs) -> bool:
     """Whether `action` puts at least `LINK_SAMPLE_BYTES` on the wire back-to-back before the
     decode side starts computing (what its link sample counts, see `transport.arrivals`):
     transfer-only, its whole prefix; otherwise the boundary's first chunk, after all prefix
-    layers but the last when streamed; token-only, nothing worth timing. An approximation: a layer the sender holds back
-    (encoding it, or computing it when streamed) ends a run."""
+    layers but the last when streamed; token-only, nothing worth timing. An approximation: a
+    layer the sender holds back (encoding it, or computing it when streamed) ends a run."""
     shape, S = inputs.shape, inputs.prompt_len
     if action.cut == 0:
         return False
