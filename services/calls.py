@@ -30,6 +30,9 @@ class GenerateCall:
     forced_schedule: Schedule | None = None  # None: the workers' default
 
 
+MAX_PLANNED_TRANSFERS = 4096  # the most transfer ids one offer names
+
+
 @dataclass(frozen=True)
 class DecodeOffer:
     """Who the decode worker is and where it listens, beside its costs (`DecodeCosts`)."""
@@ -45,7 +48,8 @@ class DecodeOffer:
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done
-    planned: Collection[str] = frozenset()  # those handoffs' transfer ids
+    # the handoffs whose plan it has seen: those backlog_ms counts, and those ended just now
+    planned: Collection[str] = frozenset()
 
 
 @dataclass(frozen=True)

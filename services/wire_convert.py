@@ -17,7 +17,8 @@ from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
-from services.calls import Completion, DecodeOffer, GenerateCall, HandoffCall, HandoffReply
+from services.calls import (MAX_PLANNED_TRANSFERS, Completion, DecodeOffer, GenerateCall,
+                            HandoffCall, HandoffReply)
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
 
@@ -190,8 +191,6 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers)))
 
-
-MAX_PLANNED_TRANSFERS = 4096
 
 
 def _planned(ids) -> frozenset[str]:

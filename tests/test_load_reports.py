@@ -15,7 +15,7 @@ import pytest
 
 from rekv_core.handoff.transfer import Transfer, TransferBook, TransferState
 from services.decode.sharing import SharingMeter
-from services.decode.worker import DecodeWorker
+from services.decode.worker import NAMES_ENDED_FOR_S, DecodeWorker
 from services.prefill.assigned import AssignedWork
 
 
@@ -66,19 +66,50 @@ def test_the_decode_backlog_counts_planned_handoffs_less_what_they_have_run():
     assert set(ids) == {"planned", "running"}
     assert ms == pytest.approx(20 * 10.0 + 30 * 10.0 - 100.0, abs=5.0)
     running.advance(TransferState.DONE)
-    assert _decode_worker(book).backlog() == (pytest.approx(200.0), ("planned",))
+    # an ended handoff adds nothing, and is still named: its plan was seen here
+    assert _decode_worker(book).backlog() == (pytest.approx(200.0), ("planned", "running"))
     assert negotiating.computing_since() is None
+
+
+def test_back_to_back_requests_see_no_work_that_is_already_done(monkeypatch):
+    """One request after another: the prefill side counts its last decision's decode work
+    until an offer names that handoff; the next offer does, though it has ended, so the next
+    decision sees no decode backlog. A handoff ended longer ago than the decode worker names is
+    the prefill's grace's to drop."""
+    book, work = TransferBook(), AssignedWork(grace_s=1.0)
+    decode = _decode_worker(book)
+    first = Transfer("first", book=book)
+    work.add("decode:1", "first", 280.0)
+    first.planned(28, 512)
+    first.advance(TransferState.BOUNDARY)
+    ms, named = decode.backlog()  # an offer made while it is still in flight
+    assert ms == pytest.approx(280.0) and work.unseen("decode:1", named) == 0.0
+    work.add("decode:1", "second", 100.0)  # decided from an offer made before its plan arrived
+    first.advance(TransferState.DONE)
+    work.ended("first")
+    ms, named = decode.backlog()
+    assert ms == 0.0 and named == ("first",)
+    assert work.unseen("decode:1", named) == pytest.approx(100.0)  # only the unseen one
+    later = time.monotonic() + NAMES_ENDED_FOR_S + 1
+    monkeypatch.setattr("services.decode.worker.time", SimpleNamespace(monotonic=lambda: later))
+    assert decode.backlog() == (0.0, ())
 
 
 def test_a_local_recompute_is_decode_load_while_it_runs(monkeypatch):
     """A failed handoff's fallback recompute computes here: the worker counts it as computing
-    and its remaining work in the backlog (under no transfer id), and not once it is done."""
+    and its remaining work in the backlog (under no transfer id), and not once it is done, nor
+    once it has failed."""
     worker = _decode_worker(TransferBook(), computing=1)
+    clock = {"now": 100.0}
+    monkeypatch.setattr("services.decode.worker.time",
+                        SimpleNamespace(monotonic=lambda: clock["now"]))
     seen = {}
 
     def prefill(model, ids, boundaries):
-        time.sleep(0.05)
+        clock["now"] += 0.05  # 50 ms of it run, alone among the handoffs
         seen["computing"], seen["backlog"] = worker.computing(), worker.backlog()
+        if len(ids) == 13:
+            raise RuntimeError("out of memory")
         return SimpleNamespace(keys="k", values="v", logits="logits")
 
     monkeypatch.setattr("services.decode.worker.prefill", prefill)
@@ -87,10 +118,36 @@ def test_a_local_recompute_is_decode_load_while_it_runs(monkeypatch):
     worker.model = None
     assert worker.recompute([1] * 512, 600) == ("cache", "logits")
     assert seen["computing"] == 2
-    ms, ids = seen["backlog"]
-    assert ids == ()
-    assert ms == pytest.approx(30 * 10.0 - 50.0, abs=20.0)  # alone: 50 ms of it run
+    assert seen["backlog"] == (pytest.approx(30 * 10.0 - 50.0), ())
     assert worker.computing() == 1 and worker.backlog() == (0.0, ())
+    with pytest.raises(RuntimeError, match="out of memory"):
+        worker.recompute([1] * 13, 20)
+    assert seen["computing"] == 2
+    assert worker.computing() == 1 and worker.backlog() == (0.0, ())
+
+
+def test_a_handoff_measures_its_sharing_over_its_suffix_only(monkeypatch):
+    """The calibration divides a suffix's time by the requests computing beside it: the mean is
+    taken from the boundary's arrival to the suffix's end, not to the complete cache; a
+    transfer-only handoff computes nothing here and counts as alone."""
+    from rekv_core.handoff.receiver import HandoffTimings
+
+    worker = _decode_worker(TransferBook())
+    asked = []
+    worker.sharing = SimpleNamespace(average=lambda t0, t1: asked.append((t0, t1)) or 2.5)
+    worker.settings = SimpleNamespace(handoff_timeout_s=5.0, encrypt_data_plane=False)
+    worker.model = worker.receiver = None
+    timings = {}
+    monkeypatch.setattr("services.decode.worker.receive_handoff",
+                        lambda *args: SimpleNamespace(timings=timings["now"]))
+    transfer = SimpleNamespace(transfer_id="t")
+    timings["now"] = HandoffTimings(h_s=0.2, x_s=0.9, r_s=0.5, j_s=0.01, total_s=1.11,
+                                    suffix_end_s=0.7)
+    _, sharing = worker.receive(transfer, 512, 4, b"k" * 32)
+    (t0, t1), = asked
+    assert sharing == 2.5 and t1 - t0 == pytest.approx(0.5)  # [h, suffix end], not to 1.11
+    timings["now"] = HandoffTimings(h_s=0.01, x_s=0.9, j_s=0.01, total_s=0.92)
+    assert worker.receive(transfer, 512, 4, b"k" * 32)[1] == 1.0 and len(asked) == 1
 
 
 def test_the_prefill_counts_its_decisions_a_stale_offer_missed():

@@ -106,7 +106,7 @@ def test_streamed_prediction_counts_only_the_layers_below_the_cut():
     assert token.prefill_ms == 0 and token.total_ms == pytest.approx(token.h_ms + L * 2.0 + 1.0)
     joint = predict(Action("int8", 10, L), inputs)
     assert joint.prefill_ms == 10 * 2.0 and joint.r_ms == 20 * 2.0
-    # the prefill of c layers, the boundary behind the prefix, then the suffix, then the join
+    # the prefill of c layers, the boundary, then the suffix, then the join
     assert joint.total_ms >= 10 * 2.0 + joint.r_ms + 1.0
     seed = predict(Action("int8", 10, L), dataclasses.replace(inputs, streamed=False))
     assert seed.prefill_ms == L * 2.0
@@ -133,25 +133,43 @@ def test_a_chunked_boundary_takes_the_boundary_off_the_critical_path():
 
 def test_the_first_boundary_chunk_overtakes_the_last_prefix_layer():
     """Streamed, the link carries layers 0..c−2, the boundary's first chunk (h_c exists with
-    layer c−1's KV), layer c−1, then the other chunks: the suffix starts one layer's encode and
-    wire time sooner than behind the whole prefix; the prefix lands one chunk later."""
-    gbps, c, S = 0.4, 10, 2048
-    inputs = _streamed(gbps, chunk=256, S=S)
-    joint = predict(Action("int8", c, L), inputs)
-    per_ms = gbps * 1e9 / 8 / 1e3
-    alpha = 0.5 * SHAPE.kv_layer_bytes(S) / 2**20
-    step = 2.0 + alpha
+    layer c−1's KV), layer c−1, then the other chunks: the suffix starts on the first chunk as
+    soon as it lands; the prefix lands a chunk's wire time after it."""
+    S = 2048
+    per_layer_mib = SHAPE.kv_layer_bytes(S) / 2**20
+    alpha, restore = 0.5 * per_layer_mib, 0.01 * per_layer_mib
     layer = wire_bytes(Action("int8", 1, L), SHAPE, S)
-    w = (layer.prefix + layer.scales) / per_ms
-    before = max((c - 1) * step + w, step + (c - 1) * w)  # link-bound here
-    chunk = 256 * SHAPE.hidden_size * 2 / per_ms
-    assert before > c * step - alpha
-    assert joint.h_ms == pytest.approx(before + chunk)
-    # the last layer lands after the first chunk, and restoring it ends the prefix
-    restore = 0.01 * SHAPE.kv_layer_bytes(S) / 2**20
-    assert joint.x_ms == pytest.approx(w + restore)
-    behind = before + w + chunk  # where the first chunk would land behind the whole prefix
-    assert behind - joint.h_ms == pytest.approx(w)
+
+    def expected(gbps, c, gamma_p):
+        per_ms = gbps * 1e9 / 8 / 1e3
+        step, w = gamma_p + alpha, (layer.prefix + layer.scales) / per_ms
+        before = max((c - 1) * step + w, step + (c - 1) * w) if c > 1 else 0.0
+        ready = c * step - alpha
+        first = max(before, ready) + 256 * SHAPE.hidden_size * 2 / per_ms
+        return first, max(first, ready + alpha) + w + restore - first
+
+    for gbps, c, gamma_p, bound in ((0.4, 10, 2.0, "link"), (400.0, 10, 30.0, "compute"),
+                                    (0.4, 1, 2.0, "link")):
+        joint = predict(Action("int8", c, L), _streamed(gbps, chunk=256, S=S, gamma_p=gamma_p))
+        first, x = expected(gbps, c, gamma_p)
+        assert joint.h_ms == pytest.approx(first), bound
+        assert joint.x_ms == pytest.approx(x), bound
+
+
+def test_a_streamed_link_sample_counts_the_layers_ahead_of_the_first_chunk():
+    """What lands back to back before the suffix starts: streamed, every prefix layer but the
+    last, then the first chunk; at c = 1 the first chunk alone."""
+    from rekv_core.plan import planner as plan
+
+    S = 200  # one chunk
+    one = _streamed(1.0, S=S, chunk=256)
+    first_chunk = S * SHAPE.hidden_size * 2
+    layer = wire_bytes(Action("bf16", 1, L), SHAPE, S).prefix
+    assert first_chunk < plan.LINK_SAMPLE_BYTES  # so layers ahead of it decide
+    needed = -(-(plan.LINK_SAMPLE_BYTES - first_chunk) // layer)  # layers ahead it takes
+    assert needed == 1
+    assert not plan.samples_link(Action("bf16", 1, L), one)  # nothing ahead of the chunk
+    assert plan.samples_link(Action("bf16", 2, L), one)  # layer 0 ahead of it
 
 
 def _ranked_first(inputs, codecs=("int8",)):

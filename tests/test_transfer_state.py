@@ -197,3 +197,18 @@ def test_the_decode_worker_counts_as_computing_only_what_runs_on_it():
     assert DecodeWorker.computing(worker) == 3
     worker.recomputing[0] = (0.0, 100.0)
     assert DecodeWorker.computing(worker) == 4
+
+
+def test_the_book_remembers_which_transfers_ended_and_when():
+    book = TransferBook(remember=2)
+    before = time.monotonic()
+    done, failed, live = (Transfer(name, book=book) for name in ("done", "failed", "live"))
+    done.advance(TransferState.DONE)
+    failed.fail("lost")
+    assert book.left_since(before) == ["done", "failed"]
+    assert book.left_since(time.monotonic() + 1) == []
+    done.fail("late")  # an ended transfer does not leave twice
+    third = Transfer("third", book=book)
+    third.advance(TransferState.DONE)
+    assert book.left_since(before) == ["failed", "third"]  # the last `remember` of them
+    assert [t.transfer_id for t in book.live()] == ["live"]

@@ -7,7 +7,9 @@ the link rate (`--pace-gbps`). There is no delay or loss emulation (this kernel 
 
 For each prompt length S and link rate (Gb/s, or xK: K times S's balanced rate, at which all layers'
 BF16 KV takes as long on the link as computing all layers), a client inside the decode namespace
-(`link_client`) sends, per case: W warm-up and N timed requests with one new token. Cases
+(`link_client`) sends W warm-up rounds, then N timed ones, of one request per case with one new
+token, the cases in a shuffled order each round (the planner's case among them, so it has seen
+as many runs of each forced action as rounds have passed). Cases
 (`forced_actions`): the baseline (full prefill, then full BF16), the seed's schedule (full prefill,
 then the handoff) for int8 transfer-only and joint int8 at each cut of the sweep, the streamed
 schedule (the handoff from inside a prefill that stops at the cut) for full BF16, int8
@@ -279,7 +281,7 @@ class _Sweep:
 def run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
                config: LinkBenchConfig, seed: int = 0) -> list[dict]:
     """The link client (`rekv_cli.linkbench.client`) under `prefix` (e.g. inside the decode
-    namespace): `config.warmups` and `config.runs` requests per case of `actions`."""
+    namespace): `config.warmups` and `config.runs` rounds of one request per case of `actions`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = out.name
     command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,

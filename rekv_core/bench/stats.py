@@ -7,7 +7,8 @@ replacement. The seed is fixed so a committed result can be recomputed from its 
 `paired_ratio(numerators, denominators)` is the same for the ratios of samples taken in the same
 round (a benchmark that runs every case once per round): a drift of the machine's speed between
 rounds, which moves both samples of a round alike, cancels in each ratio, where it widens the
-spread of each case's own samples.
+spread of each case's own samples. (A benchmark that picks the better of several cases by their
+medians and then pairs it does not widen the interval for that choice.)
 """
 
 from __future__ import annotations

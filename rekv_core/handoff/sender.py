@@ -8,9 +8,10 @@ quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as s
 has computed it, except that the boundary's first chunk overtakes the last one (h_c and layer c−1's
 KV exist at the same moment, and the decode side can start computing on the chunk), then the other
 chunks; for transfer-only, the last position's final hidden state last. It returns the seconds
-spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first. The handoff's `Transfer` bounds it: a
-cancelled or late handoff stops before its next message and gives up what it posted. Every message
-is sealed with the handoff's key and carries checksums of its buffers (`seal`).
+spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first.
+The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next message and
+gives up what it posted. Every message is sealed with the handoff's key and carries checksums of
+its buffers (`seal`).
 
 On CUDA the encoding runs on a stream of its own that waits for the caller's stream (where the
 prefill runs) before each layer, and every message carries the `ready` event of its buffers
@@ -19,6 +20,7 @@ prefill runs) before each layer, and every message carries the `ready` event of 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -152,22 +154,26 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
 
     quantize = 0.0
     last = action.cut - 1 if action.sends_boundary and source.streamed else None
-    chunks = iter(())
-    for layer in source.layers():
-        if layer.index == last:  # the boundary's first chunk overtakes the last prefix layer
-            chunks = _boundary_chunks(plan, source, stream, boundary_codebook)
-            sent += _post_chunk(send, next(chunks), plan)
-        streams.follow(stream, source.device)  # after the compute that produced the layer
-        start = time.perf_counter()
-        with streams.on_stream(stream):
-            encoded = codec.encode(layer.keys, layer.values,
-                                   context=EncodeContext(token_importance=layer.importance))
-        quantize += time.perf_counter() - start
-        send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
-             state=TransferState.PREFIX)
-        sent += split_layer_bytes(encoded.header()["buffers"])
-    for chunk in chunks:  # a streamed boundary's other chunks
-        sent += _post_chunk(send, chunk, plan)
+    chunks = None
+    with contextlib.closing(source.layers()) as layers:
+        for layer in layers:
+            if layer.index == last:  # the boundary's first chunk overtakes the last prefix layer
+                chunks = _boundary_chunks(plan, source, stream, boundary_codebook)
+                sent += _post_chunk(send, next(chunks), plan)
+            streams.follow(stream, source.device)  # after the compute that produced the layer
+            start = time.perf_counter()
+            with streams.on_stream(stream):
+                encoded = codec.encode(layer.keys, layer.values,
+                                       context=EncodeContext(token_importance=layer.importance))
+            quantize += time.perf_counter() - start
+            send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
+                 state=TransferState.PREFIX)
+            sent += split_layer_bytes(encoded.header()["buffers"])
+    if last is not None:
+        if chunks is None:
+            raise RuntimeError(f"source: the prefill never produced layer {last}, the cut's")
+        for chunk in chunks:  # a streamed boundary's other chunks
+            sent += _post_chunk(send, chunk, plan)
 
     if action.cut == action.num_layers:
         streams.follow(stream, source.device)
@@ -188,9 +194,10 @@ def _boundary_chunks(plan: Plan, source: PrefillSource, stream,
         h_c = source.boundary().to(torch.bfloat16)
         codebook = chunk_codebook(h_c, plan.boundary, codebook)
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
-        with streams.on_stream(stream):
+        with streams.on_stream(stream):  # the checksums' read waits for the encoding
             buffers, extra = encode_chunk(h_c[s0:s1], plan.boundary, codebook)
-        yield chunk, buffers, with_checksums(buffers, extra)
+            header = with_checksums(buffers, extra)
+        yield chunk, buffers, header
 
 
 def _post_chunk(send: _Posting, chunk: tuple[int, dict, bytes], plan: Plan) -> WireBytes:

@@ -1,8 +1,9 @@
 """What a handoff sends, as the prefill produces it.
 
-A `PrefillSource` gives the sender the prefix layers' K and V in layer order (`layers()`), then the
-boundary h_c (`boundary()`, for an interior cut) and, for transfer-only, the last position's final
-hidden state (`head()`); the latter two only once `layers()` is exhausted.
+A `PrefillSource` gives the sender the prefix layers' K and V in layer order (`layers()`), the
+boundary h_c (`boundary()`, for an interior cut: once `layers()` has yielded layer c−1, which is
+when the prefill has computed it) and, for transfer-only, the last position's final hidden state
+(`head()`, once `layers()` is exhausted).
 
 - `FinishedPrefill(state, cut)`: from a `PrefillOutput` that ran every layer (the seed's schedule:
   the handoff starts once the prefill is done, and the boundary goes first).
@@ -11,9 +12,10 @@ hidden state (`head()`); the latter two only once `layers()` is exhausted.
   cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). With
   `importance_window` each layer also carries its tokens' importance (for `spectrum`). Its
   compute runs on the caller's current stream; a sender that encodes on a stream of its own waits
-  for that stream per layer. `on_done` is called once, when the last layer is computed or the
-  source is closed, whichever is first (the prefill service releases its compute lock there), and
-  `compute_s` is the compute's time.
+  for that stream per layer. `on_done` is called once, when the last layer is computed (before
+  it is yielded: the prefill service releases its compute lock at the cut, not once the sender
+  has sent it) or the source is closed, whichever is first, and `compute_s` is the compute's
+  time.
 """
 
 from __future__ import annotations
@@ -92,16 +94,14 @@ class LivePrefill:
                 h = embed(model, self.token_ids)
                 for step in iter_layers(model, h, 0, self.cut,
                                         importance_window=self.importance_window):
-                    self.compute_s += time.perf_counter() - started
-                    if step.index == self.cut - 1:  # h_c exists with the last layer's KV
+                    if step.index == self.cut - 1:  # the cut: h_c exists with the last KV
                         self._h = step.hidden_out
+                        if model.device.type == "cuda":
+                            torch.cuda.current_stream(model.device).synchronize()
+                        self.close()
+                    self.compute_s += time.perf_counter() - started
                     yield ProducedLayer(step.index, step.keys, step.values, step.importance)
                     started = time.perf_counter()
-                    h = step.hidden_out
-            self._h = h
-            if model.device.type == "cuda":
-                torch.cuda.current_stream(model.device).synchronize()
-            self.compute_s += time.perf_counter() - started
         finally:
             self.close()
 

@@ -23,8 +23,8 @@ predictions (`trust_predictions`; the decode worker does once it has measured th
 `TransferCancelled`.
 
 `TransferBook` counts the live transfers of one process by state, for the in-flight gauges and
-leak checks: every transfer is entered on creation and leaves when it ends, however it ends.
-Thread-safe.
+leak checks: every transfer is entered on creation and leaves when it ends, however it ends; it
+remembers the ids of the last `remember` to leave, and when (`left_since`). Thread-safe.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+from collections import deque
 
 # A predicted transfer may take this many times its prediction, plus this much, before its
 # receiver gives up on it: a black-holed link never ends, but a cold planner's prediction can be
@@ -62,9 +63,10 @@ class TransferCancelled(RuntimeError):
 class TransferBook:
     """The live transfers of one process, by state."""
 
-    def __init__(self):
+    def __init__(self, remember: int = 1024):
         self._lock = threading.Lock()
         self._live: dict[int, Transfer] = {}
+        self._left: deque[tuple[float, str]] = deque(maxlen=remember)  # (monotonic, id)
 
     def _enter(self, transfer: Transfer) -> None:
         with self._lock:
@@ -72,7 +74,14 @@ class TransferBook:
 
     def _leave(self, transfer: Transfer) -> None:
         with self._lock:
-            self._live.pop(id(transfer), None)
+            if self._live.pop(id(transfer), None) is not None:
+                self._left.append((time.monotonic(), transfer.transfer_id))
+
+    def left_since(self, since: float) -> list[str]:
+        """The ids of the remembered transfers that ended at `since` (monotonic) or later, the
+        latest last."""
+        with self._lock:
+            return [transfer_id for at, transfer_id in self._left if at >= since]
 
     def count(self, state: TransferState | None = None) -> int:
         with self._lock:

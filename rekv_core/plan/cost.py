@@ -27,17 +27,17 @@ and its wire time w = B_layer/W + m,
 
 - token-only: T = max(lat + m + tokens/W, D_w) + L·γ + J (the prefill computes nothing, and
   waits for nothing);
-- the prefix is on the decode side at E = P_w + max(c·s + w, s + c·w) (the link serializes what
-  the prefill produces, from when the prefill worker may compute, P_w after the request's
-  arrival: the compute queued ahead of it), restored one layer later;
-- transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
-- otherwise the boundary's first chunk overtakes the last prefix layer: the first c − 1 layers
-  are on the link until E' = P_w + max((c − 1)·s + w, s + (c − 1)·w) (P_w for c = 1), h_c exists
-  at P_w + c·s − α_b, and from the later of the two the link carries the first chunk, the last
-  layer (encoded meanwhile: α_b + w; its arrival is the prefix's, E), then the other chunks, each
-  rows·(B_H/S/W + coding per row) + m; each chunk's share of R = (L − c)·γ starts once it has
-  arrived and the previous chunk's share is done (the first no earlier than D_w):
-  T = lat + max(suffix end, E + restore_b(1 layer)) + J.
+- n layers are on the decode side at E(n) = P_w + max(n·s + w, s + n·w) (the link serializes
+  what the prefill produces, from when the prefill worker may compute, P_w after the request's
+  arrival: the compute queued ahead of it), each restored one layer later;
+- transfer-only: T = lat + E(L) + head/W + m + restore_b(1 layer) + J;
+- otherwise the boundary's first chunk overtakes the last prefix layer: the link is done with
+  the first c − 1 layers at E(c − 1) (P_w for c = 1), h_c exists at P_w + c·s − α_b, and from
+  the later of the two the link carries the first chunk, the last layer (encoded meanwhile, so at
+  the later of the chunk's end and P_w + c·s, plus w: the prefix's arrival A), then the other
+  chunks, each rows·(B_H/S/W + coding per row) + m; each chunk's share of R = (L − c)·γ starts
+  once it has arrived and the previous chunk's share is done (the first no earlier than D_w):
+  T = lat + max(suffix end, A + restore_b(1 layer)) + J.
 
 The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
 pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in

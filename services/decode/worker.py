@@ -26,7 +26,7 @@ from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.transport import create_receiver
 from rekv_core.transport.base import PREFETCH
-from services.calls import DecodeOffer, GenerateCall
+from services.calls import MAX_PLANNED_TRANSFERS, DecodeOffer, GenerateCall
 from services.decode.sharing import SharingMeter
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
@@ -34,6 +34,9 @@ from services.serving import Worker
 from services.settings import ServiceSettings
 
 MAX_REQUEST_ID = 128  # characters
+# an offer names the handoffs that ended here this recently too: the prefill side, which counts
+# its own decisions' decode work until an offer names them, then knows they are done
+NAMES_ENDED_FOR_S = 5.0
 
 
 class DecodeWorker(Worker):
@@ -44,8 +47,8 @@ class DecodeWorker(Worker):
                                                        settings.profile)
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.generating = 0  # requests in their decode loop
-        # the local recomputes running now (failed handoffs): their start (monotonic) and work (ms)
-        self.recomputing: dict[int, tuple[float, float]] = {}
+        # the local recomputes running now (failed handoffs): their start (monotonic), prompt length
+        self.recomputing: dict[int, tuple[float, int]] = {}
         self._recompute_ids = itertools.count()
         self._recompute_lock = threading.Lock()
         self.sharing = SharingMeter(self.computing)
@@ -102,14 +105,17 @@ class DecodeWorker(Worker):
     def backlog(self) -> tuple[float, tuple[str, ...]]:
         """The compute committed here by handoffs whose plan has arrived and by local recomputes
         (ms: each one's layers at the γ offered now, less what it has run since it began
-        computing, sharing the compute with the others computing now), and those handoffs'
-        transfer ids (a local recompute has none: no prefill worker counts it)."""
+        computing, sharing the compute with the others computing now), and the transfer ids of
+        the handoffs whose plan this worker has seen: those, and the ones that ended in the last
+        `NAMES_ENDED_FOR_S` (nothing left to count), the latest kept when they are more than an
+        offer carries (a local recompute has no id: no prefill worker counts it)."""
         now, sharers = time.monotonic(), self.sharers()
-        sharing = max(1, handoffs_computing(self.transfers) + len(self.recomputing))
-        total, planned = 0.0, []
         with self._recompute_lock:
             recomputes = list(self.recomputing.values())
-        for began, work in recomputes:
+        sharing = max(1, handoffs_computing(self.transfers) + len(recomputes))
+        total, planned = 0.0, []
+        for began, prompt_len in recomputes:
+            work = self.shape.num_layers * self.calibration.suffix_ms_per_layer(prompt_len, sharers)
             total += max(0.0, work - (now - began) * 1e3 / sharing)
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
@@ -120,7 +126,9 @@ class DecodeWorker(Worker):
             done = 0.0 if began is None else (now - began) * 1e3 / sharing
             total += max(0.0, work - done)
             planned.append(transfer.transfer_id)
-        return total, tuple(planned)
+        ended = self.transfers.left_since(now - NAMES_ENDED_FOR_S)
+        room = max(0, MAX_PLANNED_TRANSFERS - len(planned))
+        return total, tuple(planned[:MAX_PLANNED_TRANSFERS]) + tuple(ended[-room:] if room else ())
 
     def offer(self, prompt_len: int, in_flight: int, queue: int) -> DecodeOffer:
         backlog_ms, planned = self.backlog()
@@ -161,10 +169,9 @@ class DecodeWorker(Worker):
     def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
         """The prompt's cache and first logits, computed here (counted as this worker's load
         while it runs)."""
-        work_ms = self.recompute_s(len(ids)) * 1e3
         with self._recompute_lock:
             key = next(self._recompute_ids)
-            self.recomputing[key] = (time.monotonic(), work_ms)
+            self.recomputing[key] = (time.monotonic(), len(ids))
         try:
             out = prefill(self.model, ids, boundaries=())
         finally:

@@ -6,9 +6,10 @@ together were all offered before any of them was planned: the second one's offer
 that the first was just given thirty layers to recompute there. `AssignedWork.unseen(decode,
 planned)` is the decode-side compute of this worker's handoffs to that decode worker (by its
 data-plane address) that the offer did not count. `add(decode, transfer_id, ms)` records one
-decision's. An entry is dropped once an offer names it (the decode worker counts it from then
-on), or `grace_s` after `ended(transfer_id)` (the handoff has left this worker, so its plan, the
-first message, has reached the decode side; the grace covers offers made before that).
+decision's. An entry is dropped once an offer names it (the decode worker has seen its plan: it
+counts what is left of it, or it has ended there), or `grace_s` after `ended(transfer_id)` (the
+handoff has left this worker, so its plan, the first message, has reached the decode side; the
+grace covers offers made before that, should no offer name it).
 Thread-safe.
 """
 
