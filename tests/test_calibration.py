@@ -102,6 +102,23 @@ def test_the_prefill_side_stands_in_for_the_link_until_the_decode_side_measures_
     assert calibration.cost_inputs(SHAPE, S, measured).link_gbps == 0.3
 
 
+def test_streamed_and_whole_prefills_are_timed_apart():
+    """A streamed prefill computes while its layers are sent: where the sends share its cores,
+    each layer takes longer than in a whole prefill, and the planner must not mix the two; until
+    one kind has been seen, the other's scale stands in for it."""
+    calibration = PrefillCalibration({"int8": 0.5}, 10.0, LayerCost([512], [20.0]))
+    calibration.observe_prefill(30, 512, 0.6)  # the first prefill: cold, not learned from
+    calibration.observe_prefill(30, 512, 0.9)  # whole: 30 ms a layer, 1.5x the profile
+    assert calibration.prefill_ms_per_layer(512) == pytest.approx(30.0)
+    assert calibration.prefill_ms_per_layer(512, streamed=True) == pytest.approx(30.0)
+    calibration.observe_prefill(10, 512, 0.4, streamed=True)  # streamed: 40 ms a layer
+    assert calibration.prefill_ms_per_layer(512, streamed=True) == pytest.approx(40.0)
+    assert calibration.prefill_ms_per_layer(512) == pytest.approx(30.0)
+    costs = DecodeCosts(3.0, {"int8": 0.2}, 1.0, 0.5, link_gbps=1.0)
+    assert calibration.cost_inputs(SHAPE, 512, costs, streamed=True).prefill_ms_per_layer == 40.0
+    assert calibration.cost_inputs(SHAPE, 512, costs).prefill_ms_per_layer == 30.0
+
+
 def test_an_observation_reports_the_handoff_from_the_end_of_the_prefill():
     seen = HandoffObservation(Action("int8", 20, L), S, 1,
                               HandoffTimings(h_s=0.6, x_s=0.3, r_s=0.2, j_s=0.01, total_s=0.91),

@@ -178,7 +178,10 @@ class PrefillCalibration:
         # decode side has measured it
         self.send_throughput = LinkEstimate(link_prior_gbps)
         self.layer_cost = layer_cost  # γ_p by prompt length; None: the prefill is not counted
-        self.gamma_scale = Ewma(1.0)  # measured prefill compute over the layer cost's
+        # measured prefill compute over the layer cost's, for prefills run whole (False) and
+        # streamed (True): a streamed prefill computes while its layers are sent, and where
+        # the sends share its cores (a CPU) each layer takes longer
+        self.gamma_scale = {False: Ewma(1.0), True: Ewma(1.0)}
         self._warm = False  # a prefill has been observed
 
     @classmethod
@@ -195,11 +198,15 @@ class PrefillCalibration:
         """The decode side's measurement of the link when it has one, else this side's."""
         return offered_gbps if offered_gbps > 0 else self.send_throughput.gbps
 
-    def prefill_ms_per_layer(self, prompt_len: int) -> float:
-        """γ_p now: the layer cost at this length, scaled by what recent prefills took."""
+    def prefill_ms_per_layer(self, prompt_len: int, streamed: bool = False) -> float:
+        """γ_p now: the layer cost at this length, scaled by what recent prefills of the same
+        kind (streamed or whole) took; by the other kind's until one of this kind is seen."""
         if self.layer_cost is None:
             return 0.0
-        return self.layer_cost.at(prompt_len) * self.gamma_scale.value
+        scale = self.gamma_scale[streamed]
+        if scale.samples == 0:
+            scale = self.gamma_scale[not streamed]
+        return self.layer_cost.at(prompt_len) * scale.value
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
                     streamed: bool = False, chunk_tokens: int = 0, prefill_queue: int = 0,
@@ -208,13 +215,15 @@ class PrefillCalibration:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
                           costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
-                          prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len),
+                          prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len, streamed),
                           streamed=streamed, chunk_tokens=chunk_tokens,
                           prefill_queue=prefill_queue, decode_queue=decode_queue,
                           prefill_wait_ms=prefill_wait_ms, decode_wait_ms=decode_wait_ms)
 
-    def observe_prefill(self, layers: int, prompt_len: int, seconds: float) -> None:
-        """Learn γ_p's scale from a prefill of `layers` layers that took `seconds`."""
+    def observe_prefill(self, layers: int, prompt_len: int, seconds: float,
+                        streamed: bool = False) -> None:
+        """Learn γ_p's scale from a prefill of `layers` layers that took `seconds` (`streamed`:
+        computed while its layers were sent)."""
         if self.layer_cost is None or layers == 0:
             return
         if not self._warm:  # the first prefill runs cold code paths
@@ -222,7 +231,7 @@ class PrefillCalibration:
             return
         expected = self.layer_cost.at(prompt_len) * layers
         if expected > 0 and seconds > 0:
-            self.gamma_scale.update(seconds * 1e3 / expected)
+            self.gamma_scale[streamed].update(seconds * 1e3 / expected)
 
     def observe_send(self, nbytes: int, seconds: float) -> None:
         self.send_throughput.observe(nbytes, seconds)

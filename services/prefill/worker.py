@@ -134,7 +134,7 @@ class PrefillWorker(Worker):
         self.faults.at_negotiation(call.request_id, transfer)
         layers = action.cut if schedule.streamed else self.shape.num_layers
         queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
-            len(call.token_ids)))
+            len(call.token_ids), schedule.streamed))
         if layers and not self._compute.acquire(timeout=transfer.wait_s()):
             queued()
             raise TimeoutError(f"transfer {call.transfer_id}: no turn to compute before its "
@@ -172,7 +172,8 @@ class PrefillWorker(Worker):
             prefill_s = source.compute_s
         else:
             self.calibration.observe_send(report.bytes.total, send_s)
-        self.calibration.observe_prefill(layers, len(call.token_ids), prefill_s)
+        self.calibration.observe_prefill(layers, len(call.token_ids), prefill_s,
+                                         schedule.streamed)
         return SentHandoff(prefill_s, send_s, report)
 
     def close(self) -> None:
