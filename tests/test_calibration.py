@@ -87,6 +87,26 @@ def test_the_message_cost_comes_only_from_prefixes_the_suffix_did_not_hold_back(
     assert calibration.offer(S, 1).message_ms == pytest.approx(1.5)
 
 
+def test_a_transfer_only_prefix_is_timed_from_the_end_of_the_prefill():
+    """The seed's transfer-only: the receive starts with the request, so its X holds the whole
+    prefill before the first layer can leave; the message cost is what the bytes and the restore
+    leave of the time after it."""
+    calibration = _decode()
+    nbytes = 4 * LINK_SAMPLE_BYTES
+    calibration.observe(_seen(Action("int8", 20, L), x_s=0.11, r_s=0.1,
+                              sample=(nbytes, nbytes * 8 / 1e9)))  # sets the link: 1 Gb/s
+    transfer = Action("int8", L, L)
+    wire = wire_bytes(transfer, SHAPE, S)
+    wire_ms = (wire.prefix + wire.scales) * 8 / 1e9 * 1e3
+    restore_ms = 1.0 * L * SHAPE.kv_layer_bytes(S) / MiB
+    prefill_s = 0.6
+    x_s = prefill_s + (wire_ms + restore_ms + L * 2.0) / 1e3  # 2 ms a message
+    calibration.observe(HandoffObservation(
+        transfer, S, 1, HandoffTimings(0.0, x_s, 0.0, 0.002, x_s + 0.002), wire, None,
+        prefill_s, 200.0))
+    assert calibration.offer(S, 1).message_ms == pytest.approx(2.0)
+
+
 def test_the_prefill_side_stands_in_for_the_link_until_the_decode_side_measures_it():
     calibration = PrefillCalibration({"int8": 0.5}, link_prior_gbps=10.0)
     costs = DecodeCosts(suffix_ms_per_layer=3.0, restore_ms_per_mib={"int8": 0.2}, join_ms=1.0,

@@ -167,7 +167,10 @@ class DecodeCalibration:
         wire_ms = (handoff.wire.prefix + handoff.wire.scales) * 8 / (self.link.gbps * 1e9) * 1e3
         restore_ms = (self.restore_ms_per_mib.get(action.codec, 0.0) * layers
                       * self.shape.kv_layer_bytes(handoff.prompt_len) / MiB)
-        self.message_ms.update(max(0.0, (t.x_s * 1e3 - wire_ms - restore_ms) / layers))
+        # X runs from the boundary; transfer-only has none, and its X from the receive's start
+        # holds the prefill (which the prefix follows) too
+        x_s = t.x_s if action.sends_boundary else max(0.0, t.h_s + t.x_s - handoff.prefill_s)
+        self.message_ms.update(max(0.0, (x_s * 1e3 - wire_ms - restore_ms) / layers))
 
 
 class PrefillCalibration:

@@ -95,7 +95,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                  report.quantize_seconds * 1e3,
                  sent.send_s * 1e3, report.bytes.total, decision.inputs.link_gbps,
                  call.offer.costs.link_gbps, worker.calibration.send_throughput.gbps,
-                 ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}"
+                 ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}/{p.total_ms:.0f}"
                           for p, ms in decision.candidates[:4]),
                  (time.perf_counter() - started) * 1e3, decision.inputs.prefill_queue,
                  decision.inputs.decode_queue, decision.inputs.prefill_wait_ms,
