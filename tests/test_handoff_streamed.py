@@ -132,17 +132,17 @@ class _Names:
 
 
 @pytest.mark.parametrize("codec,cut", [("bf16", 9), ("bf16", 1), ("int8", 9)])
-def test_the_first_boundary_chunk_overtakes_the_last_prefix_layer(smollm_bf16, codec, cut):
-    """Streamed: layers 0..c−2 as computed, then the boundary's first chunk and layer c−1 (both
-    exist once layer c−1 is computed), then the other chunks; the cache is the same."""
+def test_a_streamed_boundary_follows_the_whole_prefix(smollm_bf16, codec, cut):
+    """Streamed: the layers as they are computed, then the boundary's chunks (layer c−1 starts
+    the decode side's link sample, the first chunk completes it); the cache is the reference's."""
     model = smollm_bf16
     L = model.shape.num_layers
     ids = _ids(520, seed=cut)  # two boundary chunks of 256
     names = _Names()
     _, result, errors = _streamed(model, ids, Action(codec, cut, L), 256, hooks=names)
     assert not errors
-    assert names.names == ["plan", *(f"layer.{i}" for i in range(cut - 1)), "boundary",
-                           f"layer.{cut - 1}", "boundary.1"]
+    assert names.names == ["plan", *(f"layer.{i}" for i in range(cut)), "boundary",
+                           "boundary.1"]
     ref = prefill(model, ids)
     for layer in range(cut, L):
         k, v = result.cache.layer(layer)

@@ -131,45 +131,37 @@ def test_a_chunked_boundary_takes_the_boundary_off_the_critical_path():
     assert chunked.total_ms < whole.total_ms
 
 
-def test_the_first_boundary_chunk_overtakes_the_last_prefix_layer():
-    """Streamed, the link carries layers 0..c−2, the boundary's first chunk (h_c exists with
-    layer c−1's KV), layer c−1, then the other chunks: the suffix starts on the first chunk as
-    soon as it lands; the prefix lands a chunk's wire time after it."""
+def test_a_streamed_boundary_follows_the_prefix_on_the_link():
+    """Streamed, the link carries each prefix layer as the prefill produces it, then the
+    boundary's chunks: the first chunk lands one chunk's wire time after the later of the cut and
+    the prefix's arrival, and the suffix starts on it."""
     S = 2048
     per_layer_mib = SHAPE.kv_layer_bytes(S) / 2**20
     alpha, restore = 0.5 * per_layer_mib, 0.01 * per_layer_mib
     layer = wire_bytes(Action("int8", 1, L), SHAPE, S)
-
-    def expected(gbps, c, gamma_p):
-        per_ms = gbps * 1e9 / 8 / 1e3
-        step, w = gamma_p + alpha, (layer.prefix + layer.scales) / per_ms
-        before = max((c - 1) * step + w, step + (c - 1) * w) if c > 1 else 0.0
-        ready = c * step - alpha
-        first = max(before, ready) + 256 * SHAPE.hidden_size * 2 / per_ms
-        return first, max(first, ready + alpha) + w + restore - first
-
     for gbps, c, gamma_p, bound in ((0.4, 10, 2.0, "link"), (400.0, 10, 30.0, "compute"),
                                     (0.4, 1, 2.0, "link")):
+        per_ms = gbps * 1e9 / 8 / 1e3
+        step, w = gamma_p + alpha, (layer.prefix + layer.scales) / per_ms
+        prefix_end = max(c * step + w, step + c * w)
+        first = max(c * step, prefix_end) + 256 * SHAPE.hidden_size * 2 / per_ms
         joint = predict(Action("int8", c, L), _streamed(gbps, chunk=256, S=S, gamma_p=gamma_p))
-        first, x = expected(gbps, c, gamma_p)
         assert joint.h_ms == pytest.approx(first), bound
-        assert joint.x_ms == pytest.approx(x), bound
+        assert joint.x_ms == pytest.approx(max(0.0, prefix_end + restore - first)), bound
 
 
-def test_a_streamed_link_sample_counts_the_layers_ahead_of_the_first_chunk():
-    """What lands back to back before the suffix starts: streamed, every prefix layer but the
-    last, then the first chunk; at c = 1 the first chunk alone."""
+def test_a_streamed_link_sample_counts_the_prefix_ahead_of_the_first_chunk():
+    """What lands back to back before the suffix starts: streamed, the prefix then the first
+    chunk; after a full prefill, the first chunk alone (it goes first)."""
     from rekv_core.plan import planner as plan
 
     S = 200  # one chunk
-    one = _streamed(1.0, S=S, chunk=256)
+    streamed = _streamed(1.0, S=S, chunk=256)
     first_chunk = S * SHAPE.hidden_size * 2
-    layer = wire_bytes(Action("bf16", 1, L), SHAPE, S).prefix
-    assert first_chunk < plan.LINK_SAMPLE_BYTES  # so layers ahead of it decide
-    needed = -(-(plan.LINK_SAMPLE_BYTES - first_chunk) // layer)  # layers ahead it takes
-    assert needed == 1
-    assert not plan.samples_link(Action("bf16", 1, L), one)  # nothing ahead of the chunk
-    assert plan.samples_link(Action("bf16", 2, L), one)  # layer 0 ahead of it
+    assert first_chunk < plan.LINK_SAMPLE_BYTES  # so the layers ahead of it decide
+    assert plan.samples_link(Action("bf16", 1, L), streamed)  # layer 0, then the chunk
+    assert not plan.samples_link(Action("bf16", 1, L), dataclasses.replace(streamed,
+                                                                           streamed=False))
 
 
 def _ranked_first(inputs, codecs=("int8",)):

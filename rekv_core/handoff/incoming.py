@@ -5,7 +5,7 @@ decrypted when the handoff is encrypted (`seal`), keeping their arrivals for the
 `Incoming` reads every message after the plan: it restores the prefix layers into the cache in
 layer order (on CUDA on a stream of its own), hands the boundary's chunks to the suffix in chunk
 order (`next_chunk`), and keeps the head; the kinds may come in any order (a streamed handoff sends
-the prefix layers as they are computed, the boundary's first chunk before the last of them). Any
+the prefix layers as they are computed, then the boundary). Any
 other message, a second copy, or one out of its kind's order is a `TransportError`. `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it.
 """

@@ -14,8 +14,7 @@ opened request and always ends it: `close` after success, `abort` after any fail
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
-The same reading serves a streamed handoff (`Plan.streamed`), whose boundary comes after all
-prefix layers but the last.
+The same reading serves a streamed handoff (`Plan.streamed`), whose prefix comes first.
 
 Every message is opened with the handoff's key and its bytes checked against their checksums before
 anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only

@@ -5,10 +5,10 @@
 then, from a finished prefill (the seed's schedule), the boundary h_c in token chunks followed by
 each prefix layer as soon as it is encoded, so layer 0 is on the wire while layer 1 is being
 quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
-has computed it, except that the boundary's first chunk overtakes the last one (h_c and layer c−1's
-KV exist at the same moment, and the decode side can start computing on the chunk), then the other
-chunks; for transfer-only, the last position's final hidden state last. It returns the seconds
-spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first.
+has computed it, then the boundary chunks once it has reached the cut (the last layer goes first:
+it starts the decode side's link sample, which the boundary's first chunk, queued behind it,
+completes); for transfer-only, the last position's final hidden state last. It returns the
+seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first.
 The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next message and
 gives up what it posted. Every message is sealed with the handoff's key and carries checksums of
 its buffers (`seal`).
@@ -153,13 +153,8 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
             sent += _post_chunk(send, chunk, plan)
 
     quantize = 0.0
-    last = action.cut - 1 if action.sends_boundary and source.streamed else None
-    chunks = None
     with contextlib.closing(source.layers()) as layers:
         for layer in layers:
-            if layer.index == last:  # the boundary's first chunk overtakes the last prefix layer
-                chunks = _boundary_chunks(plan, source, stream, boundary_codebook)
-                sent += _post_chunk(send, next(chunks), plan)
             streams.follow(stream, source.device)  # after the compute that produced the layer
             start = time.perf_counter()
             with streams.on_stream(stream):
@@ -169,10 +164,8 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
             send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
                  state=TransferState.PREFIX)
             sent += split_layer_bytes(encoded.header()["buffers"])
-    if last is not None:
-        if chunks is None:
-            raise RuntimeError(f"source: the prefill never produced layer {last}, the cut's")
-        for chunk in chunks:  # a streamed boundary's other chunks
+    if action.sends_boundary and source.streamed:
+        for chunk in _boundary_chunks(plan, source, stream, boundary_codebook):
             sent += _post_chunk(send, chunk, plan)
 
     if action.cut == action.num_layers:

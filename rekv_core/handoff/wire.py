@@ -9,9 +9,9 @@ of the first chunk), `boundary.1`, … (`chunk_bounds`), or nothing extra for tr
 transfer-only, `head` (the final hidden state of the last position, BF16).
 
 A streamed handoff (`Plan.streamed`) is sent while the prefill runs: each layer as soon as the
-prefill has computed it, so the boundary comes after the prefix layers but the last (the prefill
-has h_c only once it has computed layer c−1): `layer.0` … `layer.{c-2}`, `boundary`, `layer.{c-1}`,
-`boundary.1`, …; a receiver takes each kind in its own order and the kinds in any order.
+prefill has computed it, so the boundary chunks come after the prefix layers (the prefill has h_c
+only once it has computed layer c−1); a receiver takes each kind in its own order and the kinds in
+any order.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class HandoffObservation:
     link_sample: tuple[int, float] | None  # (bytes, seconds), see `HandoffResult`
     prefill_s: float  # the prefill worker's compute, from its response
     modelled_ms: float  # the cost model's prediction of this action, from the prefill worker
-    streamed: bool = False  # sent from inside the prefill (most of its prefix before the boundary)
+    streamed: bool = False  # sent from inside the prefill (its prefix came before the boundary)
 
     @property
     def handoff_s(self) -> float:

@@ -27,17 +27,17 @@ and its wire time w = B_layer/W + m,
 
 - token-only: T = max(lat + m + tokens/W, D_w) + L·γ + J (the prefill computes nothing, and
   waits for nothing);
-- n layers are on the decode side at E(n) = P_w + max(n·s + w, s + n·w) (the link serializes
-  what the prefill produces, from when the prefill worker may compute, P_w after the request's
-  arrival: the compute queued ahead of it), each restored one layer later;
-- transfer-only: T = lat + E(L) + head/W + m + restore_b(1 layer) + J;
-- otherwise the boundary's first chunk overtakes the last prefix layer: the link is done with
-  the first c − 1 layers at E(c − 1) (P_w for c = 1), h_c exists at P_w + c·s − α_b, and from
-  the later of the two the link carries the first chunk, the last layer (encoded meanwhile, so at
-  the later of the chunk's end and P_w + c·s, plus w: the prefix's arrival A), then the other
-  chunks, each rows·(B_H/S/W + coding per row) + m; each chunk's share of R = (L − c)·γ starts
-  once it has arrived and the previous chunk's share is done (the first no earlier than D_w):
-  T = lat + max(suffix end, A + restore_b(1 layer)) + J.
+- the prefix is on the decode side at E = P_w + max(c·s + w, s + c·w) (the link serializes what
+  the prefill produces, from when the prefill worker may compute, P_w after the request's
+  arrival: the compute queued ahead of it), restored one layer later;
+- transfer-only: T = lat + E + head/W + m + restore_b(1 layer) + J;
+- otherwise the chunks follow the prefix on the link from max(P_w + c·s, E) on, each
+  rows·(B_H/S/W + coding per row) + m, and each chunk's share of R = (L − c)·γ starts once it
+  has arrived and the previous chunk's share is done (the first no earlier than D_w):
+  T = lat + max(suffix end, E + restore_b(1 layer)) + J. (The boundary's first chunk could
+  overtake the last prefix layer, saving up to that layer's wire time; it does not, because the
+  layer then starts the decode side's link sample and the chunk, queued behind it, completes
+  it, where a chunk sent first has nothing before it to time from.)
 
 The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
 pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in
@@ -152,26 +152,20 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     w = (layer.prefix + layer.scales) / per_ms + m
     wait = inputs.prefill_wait_ms
     prefill = c * inputs.prefill_ms_per_layer
+    prefix_end = wait + max(c * step + w, step + c * w)
     if c == L:
-        end = wait + max(c * step + w, step + c * w) + wire.head / per_ms + m + restore
+        end = prefix_end + wire.head / per_ms + m + restore
         return Prediction(action, lat + end + join, lat + step, end - step, 0.0, join,
                           wire.total, prefill)
     r = (L - c) * gamma
-    # the first c − 1 layers, then the boundary's first chunk as soon as h_c exists, then the
-    # last layer, then the other chunks
-    before = wait + (max((c - 1) * step + w, step + (c - 1) * w) if c > 1 else 0.0)
-    ready = wait + c * step - alpha
-    link = max(ready, before)
-    first = prefix_end = None
+    arrived = max(wait + c * step, prefix_end)  # the chunks follow the prefix on the link
+    first = None
     suffix_end = max(0.0, inputs.decode_wait_ms - lat)  # this branch adds lat at the end
     per_row = wire.boundary / S  # bytes of one row of h_c as it travels
     coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
     for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
-        link += (s1 - s0) * (per_row / per_ms + coding) + m
-        arrived = link
-        if first is None:
-            first = arrived
-            link = prefix_end = max(link, ready + alpha) + w
+        arrived += (s1 - s0) * (per_row / per_ms + coding) + m
+        first = arrived if first is None else first
         suffix_end = max(arrived, suffix_end) + r * (s1 - s0) / S
     end = max(suffix_end, prefix_end + restore)
     return Prediction(action, lat + end + join, lat + first,

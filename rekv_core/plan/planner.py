@@ -221,9 +221,9 @@ def safe_choice(ranked: list[Ranked], inputs: CostInputs, codecs: Iterable[str],
 def samples_link(action: Action, inputs: CostInputs) -> bool:
     """Whether `action` puts at least `LINK_SAMPLE_BYTES` on the wire back-to-back before the
     decode side starts computing (what its link sample counts, see `transport.arrivals`):
-    transfer-only, its whole prefix; otherwise the boundary's first chunk, after all prefix
-    layers but the last when streamed; token-only, nothing worth timing. An approximation: a
-    layer the sender holds back (encoding it, or computing it when streamed) ends a run."""
+    transfer-only, its whole prefix; otherwise the boundary's first chunk, after the prefix when
+    streamed; token-only, nothing worth timing. An approximation: a layer the sender holds back
+    (encoding it, or computing it when streamed) ends a run."""
     shape, S = inputs.shape, inputs.prompt_len
     if action.cut == 0:
         return False
@@ -233,9 +233,7 @@ def samples_link(action: Action, inputs: CostInputs) -> bool:
         return prefix + wire.head >= LINK_SAMPLE_BYTES
     s0, s1 = chunk_bounds(S, inputs.chunk_tokens)[0]
     first_chunk = (s1 - s0) * shape.hidden_size * BF16_BYTES
-    # streamed, the first chunk follows all prefix layers but the last
-    ahead = prefix * (action.cut - 1) / action.cut if inputs.streamed else 0
-    return first_chunk + ahead >= LINK_SAMPLE_BYTES
+    return first_chunk + (prefix if inputs.streamed else 0) >= LINK_SAMPLE_BYTES
 
 
 def _cost(ranked: Ranked) -> float:
