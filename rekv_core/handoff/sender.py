@@ -8,10 +8,10 @@ quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as s
 has computed it, then the boundary chunks once it has reached the cut (the last layer goes first:
 it starts the decode side's link sample, which the boundary's first chunk, queued behind it,
 completes); for transfer-only, the last position's final hidden state last. It returns the
-seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request first.
-The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next message and
-gives up what it posted. Every message is sealed with the handoff's key and carries checksums of
-its buffers (`seal`).
+seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
+first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
+message and gives up what it posted. Every message is sealed with the handoff's key and carries
+checksums of its buffers (`seal`).
 
 On CUDA the encoding runs on a stream of its own that waits for the caller's stream (where the
 prefill runs) before each layer, and every message carries the `ready` event of its buffers
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -149,8 +149,7 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         send(TOKENS, buffers={"ids": tensor_bytes(ids)}, state=TransferState.BOUNDARY)
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
-        for chunk in _boundary_chunks(plan, source, stream, boundary_codebook):
-            sent += _post_chunk(send, chunk, plan)
+        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
 
     quantize = 0.0
     with contextlib.closing(source.layers()) as layers:
@@ -165,8 +164,7 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
                  state=TransferState.PREFIX)
             sent += split_layer_bytes(encoded.header()["buffers"])
     if action.sends_boundary and source.streamed:
-        for chunk in _boundary_chunks(plan, source, stream, boundary_codebook):
-            sent += _post_chunk(send, chunk, plan)
+        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
 
     if action.cut == action.num_layers:
         streams.follow(stream, source.device)
@@ -178,23 +176,20 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 
-def _boundary_chunks(plan: Plan, source: PrefillSource, stream,
-                     codebook: list[int] | None) -> Iterator[tuple[int, dict, bytes]]:
-    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message's (index, buffers, header)
-    per chunk of rows (`Plan.boundary_chunks`), each encoded when it is asked for."""
+def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting,
+                   codebook: list[int] | None) -> WireBytes:
+    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message per chunk of rows
+    (`Plan.boundary_chunks`)."""
     streams.follow(stream, source.device)
+    sent = 0
     with streams.on_stream(stream):
         h_c = source.boundary().to(torch.bfloat16)
         codebook = chunk_codebook(h_c, plan.boundary, codebook)
+    state = None if plan.streamed else TransferState.BOUNDARY
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
         with streams.on_stream(stream):  # the checksums' read waits for the encoding
             buffers, extra = encode_chunk(h_c[s0:s1], plan.boundary, codebook)
             header = with_checksums(buffers, extra)
-        yield chunk, buffers, header
-
-
-def _post_chunk(send: _Posting, chunk: tuple[int, dict, bytes], plan: Plan) -> WireBytes:
-    index, buffers, header = chunk
-    send(boundary_name(index), header, buffers,
-         state=None if plan.streamed else TransferState.BOUNDARY)
-    return WireBytes(boundary=sum(b.numel() for b in buffers.values()))
+        send(boundary_name(chunk), header, buffers, state=state)
+        sent += sum(b.numel() for b in buffers.values())
+    return WireBytes(boundary=sent)

@@ -115,8 +115,7 @@ class DecodeWorker(Worker):
         sharing = max(1, handoffs_computing(self.transfers) + len(recomputes))
         total, planned = 0.0, []
         for began, prompt_len in recomputes:
-            work = self.shape.num_layers * self.calibration.suffix_ms_per_layer(prompt_len, sharers)
-            total += max(0.0, work - (now - began) * 1e3 / sharing)
+            total += max(0.0, self.recompute_s(prompt_len) * 1e3 - (now - began) * 1e3 / sharing)
         for transfer in self.transfers.live():
             if transfer.compute_layers == 0 or transfer.ended:
                 continue
