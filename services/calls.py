@@ -1,7 +1,8 @@
 """The two services' calls as plain values: what `wire_convert` reads from protobuf and writes back.
 
 A router's `GenerateCall` arrives at the decode worker; the decode worker's `HandoffCall` (with its
-`DecodeOffer`) at the prefill worker, whose `HandoffReply` goes back; the decode worker's
+`DecodeOffer`) at the prefill worker, whose `HandoffReply` goes back (and, ahead of any, its
+`ConnectCall`, answered with `Connected`); the decode worker's
 `HandoffReport` ends the router's stream in the summary with a `Completion`. Fields the caller
 controls were checked for form by `wire_convert` (an `InvalidArgument` names the field); limits
 that depend on a worker's settings are checked by that worker.
@@ -62,6 +63,23 @@ class HandoffCall:
     handoff_key: bytes = b""  # drawn by the decode worker; seals every data-plane message
     encrypt: bool = False  # encrypt every data-plane buffer too (`seal.encrypt`)
     forced_schedule: Schedule | None = None  # None: the prefill side decides from the offer
+
+
+@dataclass(frozen=True)
+class ConnectCall:
+    """A decode worker asks a prefill worker to connect its data plane ahead (and to probe)."""
+
+    address: str  # the decode worker's data-plane listener
+    probe_id: str | None = None  # the probe's data-plane request id; None: no probe
+    probe_key: bytes | None = None  # seals the probe's messages
+
+
+@dataclass(frozen=True)
+class Connected:
+    connected_now: bool  # False: the connection was already held
+    connect_s: float = 0.0
+    probe_bytes: int = 0
+    probe_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
-from services.calls import (MAX_PLANNED_TRANSFERS, Completion, DecodeOffer, GenerateCall,
-                            HandoffCall, HandoffReply)
+from services.calls import (MAX_PLANNED_TRANSFERS, Completion, ConnectCall, Connected,
+                            DecodeOffer, GenerateCall, HandoffCall, HandoffReply)
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
 
@@ -132,7 +132,7 @@ def handoff_request(call: HandoffCall):
             suffix_ms_per_layer=costs.suffix_ms_per_layer,
             restore_ms_per_mib=costs.restore_ms_per_mib, join_ms=costs.join_ms,
             message_ms=costs.message_ms, link_gbps=costs.link_gbps,
-            measured_over_model={kind.value: ratio
+            suffix_scale=costs.suffix_scale, measured_over_model={kind.value: ratio
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
             boundary_chunk_tokens=offer.chunk_tokens))
@@ -171,7 +171,8 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
         join_ms=_amount(offer.join_ms, "offer.join_ms"),
         message_ms=_amount(offer.message_ms, "offer.message_ms"),
         link_gbps=_amount(offer.link_gbps, "offer.link_gbps"),
-        evidence=_evidence(offer, num_layers))
+        evidence=_evidence(offer, num_layers),
+        suffix_scale=_amount(offer.suffix_scale, "offer.suffix_scale"))
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
     chunk = schedule_from_proto(rekv_pb2.Schedule(
@@ -200,15 +201,37 @@ def _planned(ids) -> frozenset[str]:
     return frozenset(ids)
 
 
-def _check_data_plane_address(address: str) -> None:
+def _check_data_plane_address(address: str, field: str = "offer.ucx_address") -> None:
     """host:port with a port in 1..65535 (an IPv6 host in brackets), or an in-process link's."""
     if not address:
-        raise InvalidArgument("offer.ucx_address: required")
+        raise InvalidArgument(f"{field}: required")
     if address.startswith("inprocess:"):
         return
     host, sep, port = address.rpartition(":")
     if not sep or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidArgument(f"offer.ucx_address: {address[:80]!r} is not host:port")
+        raise InvalidArgument(f"{field}: {address[:80]!r} is not host:port")
+
+
+def connect_call(request) -> ConnectCall:
+    """A `ConnectRequest`, checked: the data-plane address, and the probe's id and key."""
+    _check_data_plane_address(request.ucx_address, "ucx_address")
+    if request.probe_id and len(request.probe_key) != KEY_BYTES:
+        raise InvalidArgument(f"probe_key: must be {KEY_BYTES} bytes with a probe_id, got "
+                              f"{len(request.probe_key)}")
+    return ConnectCall(request.ucx_address, request.probe_id or None,
+                       bytes(request.probe_key) if request.probe_id else None)
+
+
+def connect_request(call: ConnectCall):
+    return rekv_pb2.ConnectRequest(ucx_address=call.address, probe_id=call.probe_id or "",
+                                   probe_key=call.probe_key or b"")
+
+
+def connect_response(connected: Connected):
+    return rekv_pb2.ConnectResponse(connected_now=connected.connected_now,
+                                    connect_ms=connected.connect_s * 1e3,
+                                    probe_bytes=connected.probe_bytes,
+                                    probe_ms=connected.probe_s * 1e3)
 
 
 def _amount(value: float, field: str) -> float:

@@ -139,6 +139,25 @@ def test_streamed_and_whole_prefills_are_timed_apart():
     assert calibration.cost_inputs(SHAPE, 512, costs).prefill_ms_per_layer == 30.0
 
 
+def test_until_it_has_timed_a_prefill_the_prefill_side_takes_the_decode_sides_scale():
+    """Both profiles time a layer alone; in the model's pass a layer is slower on both sides. A
+    decode side that measured this (its suffixes at 1.4x its profile) while the prefill side has
+    not must not make the prefill look 1.4x cheaper than the suffix."""
+    decode = DecodeCalibration(SHAPE, LayerCost([S], [10.0]), {"bf16": 0.0})
+    assert decode.offer(S, 1).suffix_scale == 0.0  # nothing measured yet
+    for _ in range(2):  # the first handoff runs cold code paths: not learned from
+        decode.observe(HandoffObservation(Action.token_only(L), S, 1, HandoffTimings(
+            0.0, 0.0, 0.42, 0.0, 0.42), WireBytes(), None, 0.0, 300.0))
+    offered = decode.offer(S, 1)
+    assert offered.suffix_scale == pytest.approx(1.4)
+    assert offered.suffix_ms_per_layer == pytest.approx(14.0)
+    prefill = PrefillCalibration({"bf16": 0.0}, 10.0, LayerCost([S], [10.0]))
+    assert prefill.cost_inputs(SHAPE, S, offered).prefill_ms_per_layer == pytest.approx(14.0)
+    prefill.observe_prefill(30, S, 0.3)  # its first: cold
+    prefill.observe_prefill(30, S, 0.33)  # its own: 11 ms a layer, which wins from now on
+    assert prefill.cost_inputs(SHAPE, S, offered).prefill_ms_per_layer == pytest.approx(11.0)
+
+
 def test_an_observation_reports_the_handoff_from_the_end_of_the_prefill():
     seen = HandoffObservation(Action("int8", 20, L), S, 1,
                               HandoffTimings(h_s=0.6, x_s=0.3, r_s=0.2, j_s=0.01, total_s=0.91),

@@ -1,7 +1,8 @@
 """Hypothesis against the running services: every request a router could send to the decode
 service, and every call a peer could make to the prefill service, ends with OK or a clear status
 (INVALID_ARGUMENT naming its field, or the failure of the peer it named), never INTERNAL or
-UNKNOWN; and afterwards both services still serve, hold nothing and stop cleanly.
+UNKNOWN (`Generate`, `Handoff` and `Connect`); and afterwards both services still serve, hold
+nothing and stop cleanly.
 (`REKV_FUZZ_LIVE_EXAMPLES` raises the number of cases for a bench run; CI runs a few dozen.)"""
 
 import os
@@ -71,6 +72,19 @@ def test_any_handoff_call_ends_with_ok_or_a_clear_status(pair, request, address)
         assert exc.code() in CLEAR | {grpc.StatusCode.UNAVAILABLE}, (exc.code(), exc.details())
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             assert _named(exc.details()), exc.details()
+
+
+@CASES
+@given(address=ADDRESSES, probe_id=st.text(max_size=40), key=st.binary(max_size=40))
+def test_any_connect_call_ends_with_ok_or_a_clear_status(pair, address, probe_id, key):
+    _, _, prefill = pair
+    request = rekv_pb2.ConnectRequest(ucx_address=address, probe_id=probe_id, probe_key=key)
+    try:
+        prefill.Connect(request, timeout=60)
+    except grpc.RpcError as exc:
+        assert exc.code() in CLEAR | {grpc.StatusCode.UNAVAILABLE}, (exc.code(), exc.details())
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            assert exc.details().split(":")[0] in ("ucx_address", "probe_key"), exc.details()
 
 
 def test_after_the_fuzzing_both_services_serve_and_hold_nothing(pair):

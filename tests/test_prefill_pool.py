@@ -2,6 +2,7 @@
 out while unreachable."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -104,5 +105,52 @@ def test_an_unresolvable_name_keeps_the_known_peers(monkeypatch):
         await pool.refresh()
         assert list(pool.peers) == ["10.0.0.1:50051"]
         await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_new_peers_are_connected_ahead_and_asked_again_while_unreachable():
+    answers = {"127.0.0.1:1": [None, None, True], "127.0.0.1:2": [False]}
+    calls = []
+
+    async def on_added(peer):
+        calls.append((peer.address, time.monotonic()))
+        return answers[peer.address].pop(0)
+
+    async def scenario():
+        pool = PrefillPool("127.0.0.1:1,127.0.0.1:2", refresh_s=0.2, on_added=on_added)
+        started = time.monotonic()
+        await pool.start()
+        assert time.monotonic() - started < 0.4  # the first answers, not the retries
+        assert sorted(a for a, _ in calls) == ["127.0.0.1:1", "127.0.0.1:2"]
+        await asyncio.sleep(1.2)
+        await pool.close()
+
+    asyncio.run(scenario())
+    retried = [t for a, t in calls if a == "127.0.0.1:1"]
+    assert len(retried) == 3 and [a for a, _ in calls].count("127.0.0.1:2") == 1
+    assert retried[1] - retried[0] >= 0.45 and retried[2] - retried[1] >= 0.18  # backoff
+
+
+def test_start_waits_a_bounded_time_and_close_or_retirement_stops_the_asking(monkeypatch):
+    answers = [["10.0.0.1:50051"], ["10.0.0.2:50051"]]
+    monkeypatch.setattr(prefill_pool, "resolve", lambda target: answers.pop(0))
+    hanging = []
+
+    async def on_added(peer):
+        hanging.append(asyncio.current_task())
+        await asyncio.Event().wait()  # a peer that never answers
+
+    async def scenario():
+        pool = PrefillPool("dns:///prefill:50051", refresh_s=3600, on_added=on_added,
+                           start_wait_s=0.3)
+        started = time.monotonic()
+        await pool.start()
+        assert 0.25 <= time.monotonic() - started < 2
+        await pool.refresh()  # 10.0.0.1 retired, 10.0.0.2 added and asked
+        await asyncio.sleep(0)
+        assert len(hanging) == 2 and hanging[0].cancelling()
+        await pool.close()
+        assert all(task.done() for task in hanging)
 
     asyncio.run(scenario())

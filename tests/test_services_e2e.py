@@ -63,6 +63,24 @@ def _run(services, request_id, prompt, n, forced=None, **kwargs):
     return generate(channel, request_id, prompt, n, forced_action=forced, **kwargs)
 
 
+def test_the_data_plane_is_connected_and_the_link_timed_before_the_first_request(services):
+    """The decode service was ready only after the prefill service had connected to it and sent
+    the link probe: no request waits for the connection, and the first is planned on a measured
+    link."""
+    pair, _ = services
+    decode_log = (pair.log_dir / "decode.log").read_text()
+    prefill_log = (pair.log_dir / "prefill.log").read_text()
+    connected = re.search(r"data plane: (\S+) connected in [\d.]+ ms; probe (\d+) bytes",
+                          prefill_log)
+    assert connected and connected.group(1) == pair.decode.info["ucx"]
+    assert int(connected.group(2)) > 0
+    probe = re.search(r"link probe from \S+: ([\d.]+) Gb/s .*\n(?:.*\n)*.*decode service ready",
+                      decode_log)
+    assert probe and float(probe.group(1)) > 0
+    first_request = prefill_log.find("request=")
+    assert first_request == -1 or connected.start() < first_request
+
+
 @pytest.mark.parametrize("forced", [("bf16", 30), ("bf16", 15), ("bf16", 0)],
                          ids=["bf16_transfer", "bf16_recompute", "token_recompute"])
 def test_lossless_actions_reproduce_the_reference(services, reference, forced):

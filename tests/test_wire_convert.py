@@ -9,7 +9,7 @@ from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
 from services import wire_convert
 from rekv_core.handoff.action import WireBytes
-from services.calls import DecodeOffer, HandoffCall, HandoffReply
+from services.calls import ConnectCall, DecodeOffer, HandoffCall, HandoffReply
 from services.errors import InvalidArgument
 
 L = 30
@@ -20,7 +20,8 @@ def _call(**offer_changes) -> HandoffCall:
                         {Action("int8", 21, L): Measured(95.0, 1000, 4),
                          Action.full_bf16(L): Measured(140.0, 1024, 3)})
     costs = DecodeCosts(suffix_ms_per_layer=3.5, restore_ms_per_mib={"int8": 0.2},
-                        join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence)
+                        join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence,
+                        suffix_scale=1.3)
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
                  computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}))
@@ -73,3 +74,14 @@ def test_a_malformed_call_names_its_field(change, field):
     change(request)
     with pytest.raises(InvalidArgument, match=f"^{field}"):
         wire_convert.handoff_call(request, "smollm2-135m", L)
+
+
+def test_a_connect_call_survives_the_wire_and_a_bad_one_names_its_field():
+    call = ConnectCall("10.0.0.2:5000", "probe/1", bytes(range(32)))
+    assert wire_convert.connect_call(wire_convert.connect_request(call)) == call
+    plain = ConnectCall("[::1]:5000")
+    assert wire_convert.connect_call(wire_convert.connect_request(plain)) == plain
+    for bad, field in [(ConnectCall(""), "ucx_address"), (ConnectCall("host"), "ucx_address"),
+                       (ConnectCall("h:1", "probe/1", b"short"), "probe_key")]:
+        with pytest.raises(InvalidArgument, match=f"^{field}: "):
+            wire_convert.connect_call(wire_convert.connect_request(bad))

@@ -61,6 +61,7 @@ class DecodeCosts:
     message_ms: float
     link_gbps: float  # the link as this worker measured it; 0: no sample yet
     evidence: Evidence = field(default_factory=Evidence)
+    suffix_scale: float = 0.0  # measured suffix time over the profile's; 0: none measured yet
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,8 @@ class DecodeCalibration:
             restore_ms_per_mib=dict(self.restore_ms_per_mib), join_ms=self.join_ms.value,
             message_ms=self.message_ms.value, link_gbps=link if self.link.samples else 0.0,
             evidence=Evidence(self.recent.corrections(link),
-                              self.recent.measured(prompt_len, link)))
+                              self.recent.measured(prompt_len, link)),
+            suffix_scale=self.gamma_scale.value if self.gamma_scale.samples else 0.0)
 
     def observe(self, handoff: HandoffObservation) -> float | None:
         """Learn from one completed handoff; returns its link sample in Gb/s, if it had one."""
@@ -201,14 +203,20 @@ class PrefillCalibration:
         """The decode side's measurement of the link when it has one, else this side's."""
         return offered_gbps if offered_gbps > 0 else self.send_throughput.gbps
 
-    def prefill_ms_per_layer(self, prompt_len: int, streamed: bool = False) -> float:
+    def prefill_ms_per_layer(self, prompt_len: int, streamed: bool = False,
+                             peer_scale: float = 0.0) -> float:
         """γ_p now: the layer cost at this length, scaled by what recent prefills of the same
-        kind (streamed or whole) took; by the other kind's until one of this kind is seen."""
+        kind (streamed or whole) took; by the other kind's until one of this kind is seen; by
+        `peer_scale` (the decode side's measured suffix over its profile, > 0) until any is:
+        the profiles of both sides err alike (a layer timed alone, not in the model's pass), so
+        the side that measured first must not make the other look cheap."""
         if self.layer_cost is None:
             return 0.0
         scale = self.gamma_scale[streamed]
         if scale.samples == 0:
             scale = self.gamma_scale[not streamed]
+        if scale.samples == 0 and peer_scale > 0:
+            return self.layer_cost.at(prompt_len) * peer_scale
         return self.layer_cost.at(prompt_len) * scale.value
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
@@ -218,7 +226,8 @@ class PrefillCalibration:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
                           costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
-                          prefill_ms_per_layer=self.prefill_ms_per_layer(prompt_len, streamed),
+                          prefill_ms_per_layer=self.prefill_ms_per_layer(
+                              prompt_len, streamed, costs.suffix_scale),
                           streamed=streamed, chunk_tokens=chunk_tokens,
                           prefill_queue=prefill_queue, decode_queue=decode_queue,
                           prefill_wait_ms=prefill_wait_ms, decode_wait_ms=decode_wait_ms)

@@ -173,6 +173,12 @@ class SenderPool(ABC):
                 sender = self._senders[address] = paced(self._connect(address), self.pace_gbps)
             return sender
 
+    def holds(self, address: str) -> bool:
+        """Whether a sender to `address` is held and not broken."""
+        with self._lock:
+            sender = self._senders.get(address)
+        return sender is not None and not sender.broken
+
     def drop_if_broken(self, address: str) -> None:
         """Forget the sender to `address` once it is broken and shut it down (its peer is gone;
         a restarted peer at the same address gets a new connection on the next `to`)."""

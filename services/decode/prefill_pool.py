@@ -13,6 +13,11 @@ has in flight with that peer plus the queue that peer last reported in its `Hand
 out for `down_s` seconds, or until every peer is out, when all are tried again; the request that
 saw the failure recomputes its prompt locally (see the decode server), so none is lost. Each peer
 keeps one gRPC channel; the prefill side keeps one UCX endpoint per decode worker it sends to.
+With `on_added` (`connect_ahead.ConnectAhead`), each new peer is asked to make that endpoint at
+once, in the background, and asked again (after 0.5 s, then twice as long each time, up to
+`refresh_s`) while `on_added` answers None (not reachable yet); `start()` waits up to
+`start_wait_s` for the first peers' first answers, so a decode worker that reports ready has its
+data plane connected to every prefill replica that was up.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import itertools
 import logging
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -58,9 +63,14 @@ class PrefillPeer:
 
 class PrefillPool:
     def __init__(self, prefill_address: str, refresh_s: float = 5.0, down_s: float = 5.0,
-                 connect: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
+                 connect: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                 on_added: Callable[[PrefillPeer], Awaitable[bool | None]] | None = None,
+                 start_wait_s: float = 5.0):
         """`connect(address)` makes a peer's channel (the decode server passes `tls`'s)."""
         self._connect = connect
+        self._on_added, self.start_wait_s = on_added, start_wait_s
+        self._added: dict[str, asyncio.Task] = {}  # by address: asking it, or done asking
+        self._answered: dict[str, asyncio.Event] = {}  # by address: it answered once
         self.kind, targets = parse_prefill_address(prefill_address)
         self.target = targets[0] if self.kind == "dns" else None
         self.refresh_s, self.down_s = refresh_s, down_s
@@ -72,10 +82,41 @@ class PrefillPool:
             self._update(targets)
 
     async def start(self) -> None:
-        """Resolve a DNS target now and keep refreshing it; nothing to do for a fixed list."""
+        """Resolve a DNS target now and keep refreshing it; then wait (at most `start_wait_s`)
+        for the first peers' `on_added`."""
         if self.kind == "dns":
             await self.refresh()
             self._refresher = asyncio.create_task(self._refresh_forever())
+        self._announce()
+        answered = [self._answered[a] for a in self.peers if a in self._answered]
+        if answered:
+            waits = [asyncio.ensure_future(a.wait()) for a in answered]
+            await asyncio.wait(waits, timeout=self.start_wait_s)
+            for wait in waits:
+                wait.cancel()
+
+    def _announce(self) -> None:
+        """Start `on_added` for every peer that has not had it (needs the running loop), with
+        an event set once the peer first answered."""
+        if self._on_added is None:
+            return
+        for address, peer in self.peers.items():
+            if address not in self._added:
+                self._answered[address] = asyncio.Event()
+                self._added[address] = asyncio.ensure_future(
+                    self._until_added(peer, self._answered[address]))
+
+    async def _until_added(self, peer: PrefillPeer, answered: asyncio.Event) -> None:
+        delay = 0.5
+        try:
+            while await self._on_added(peer) is None:
+                answered.set()
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, self.refresh_s)
+        except Exception as exc:  # only ever a lost head start: the handoffs go on without it
+            log.warning("prefill pool: on_added for %s failed: %s", peer.address, exc)
+        finally:
+            answered.set()
 
     async def refresh(self) -> None:
         try:
@@ -84,6 +125,7 @@ class PrefillPool:
             log.warning("prefill pool: cannot resolve %s: %s", self.target, exc)
             return
         self._update(addresses)
+        self._announce()
         idle = [p for p in self._retired if not p.in_flight]
         self._retired = [p for p in self._retired if p.in_flight]
         for peer in idle:
@@ -103,6 +145,9 @@ class PrefillPool:
                 log.info("prefill pool: added %s", address)
         for address in [a for a in self.peers if a not in addresses]:
             self._retired.append(self.peers.pop(address))  # closed once its calls are done
+            if address in self._added:
+                self._added.pop(address).cancel()
+                self._answered.pop(address)
             log.info("prefill pool: removed %s", address)
 
     def pick(self) -> PrefillPeer:
@@ -135,6 +180,11 @@ class PrefillPool:
         if self._refresher is not None:
             self._refresher.cancel()
             await asyncio.gather(self._refresher, return_exceptions=True)
+        for task in self._added.values():
+            task.cancel()
+        await asyncio.gather(*self._added.values(), return_exceptions=True)
+        self._added.clear()
+        self._answered.clear()
         for peer in [*self.peers.values(), *self._retired]:
             await peer.channel.close()
         self.peers.clear()

@@ -28,6 +28,7 @@ from rekv_core.model.sampling import Sampler
 from services import tls, wire_convert
 from services.calls import Completion, GenerateCall
 from services.decode.handoff import Handed, Handoffs
+from services.decode.connect_ahead import ConnectAhead
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
 from services.errors import InvalidArgument, status_for
@@ -123,7 +124,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
 async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
     pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s,
-                       connect=lambda address: tls.secure_channel(settings, address))
+                       connect=lambda address: tls.secure_channel(settings, address),
+                       on_added=ConnectAhead(worker.receiver, worker.calibration.link))
     await pool.start()
     servicer = DecodeServicer(worker, pool)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

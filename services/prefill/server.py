@@ -1,6 +1,9 @@
-"""The prefill service: `Prefill.Handoff`, called by decode workers.
+"""The prefill service: `Prefill.Handoff` and `Prefill.Connect`, called by decode workers.
 
-A call's life cycle:
+`Connect` makes (or keeps) the data-plane connection to a decode worker's listener before its
+first handoff needs it, and sends it the link probe (`rekv_core.handoff.probe`) it asks for.
+
+A `Handoff` call's life cycle:
 1. read the call and check it against this worker's limits and model (INVALID_ARGUMENT naming the
    field);
 2. decide the action: the planner's choice from the decode side's offer and this worker's own
@@ -107,6 +110,20 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             q_ms=report.quantize_seconds * 1e3, send_ms=sent.send_s * 1e3, bytes=report.bytes,
             link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
             queue_depth=self.active, schedule=schedule))
+
+
+    async def Connect(self, request, context):
+        try:
+            call = wire_convert.connect_call(request)
+            connected = await asyncio.to_thread(self.worker.connect, call)
+        except Exception as exc:
+            code, reason = status_for(exc)
+            log.warning("connect to %s failed (%s): %s", request.ucx_address[:80], reason, exc)
+            await context.abort(code, str(exc))
+        log.info("data plane: %s %s in %.1f ms; probe %d bytes in %.1f ms", call.address,
+                 "connected" if connected.connected_now else "already connected",
+                 connected.connect_s * 1e3, connected.probe_bytes, connected.probe_s * 1e3)
+        return wire_convert.connect_response(connected)
 
 
 async def _until_done(work, transfer: Transfer):

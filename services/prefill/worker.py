@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass
 
 from rekv_core.handoff import Schedule, SenderReport, send_handoff
+from rekv_core.handoff.probe import send_probe
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
@@ -27,7 +28,7 @@ from rekv_core.plan.calibration import PrefillCalibration
 from rekv_core.plan.planner import Decision, Planner, common_codecs
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.transport import TransportError, create_sender_pool
-from services.calls import HandoffCall
+from services.calls import ConnectCall, Connected, HandoffCall
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
 from services.prefill.assigned import AssignedWork
@@ -124,6 +125,23 @@ class PrefillWorker(Worker):
         hidden = 2 * shape.boundary_bytes(prompt_len, elem)
         return prefill + hidden + shape.num_layers * shape.kv_layer_bytes(prompt_len)
 
+    def connect(self, call: ConnectCall) -> Connected:
+        """Hold a data-plane connection to the decode worker at `call.address` (one already held
+        and unbroken is kept), and send it the link probe it asked for."""
+        started = time.perf_counter()
+        made = not self.senders.holds(call.address)
+        sender = self.senders.to(call.address)
+        connect_s = time.perf_counter() - started if made else 0.0
+        if call.probe_id is None:
+            return Connected(made, connect_s)
+        try:
+            sent = send_probe(sender, call.probe_id, call.probe_key,
+                              timeout_s=self.settings.handoff_timeout_s)
+        except TransportError:
+            self.senders.drop_if_broken(call.address)
+            raise
+        return Connected(made, connect_s, sent.bytes, sent.seconds)
+
     def handoff(self, call: HandoffCall, decision: Decision, schedule: Schedule,
                 transfer: Transfer) -> SentHandoff:
         """Prefill and send under `transfer`, whose deadline bounds the wait for the compute and
@@ -134,7 +152,7 @@ class PrefillWorker(Worker):
         self.faults.at_negotiation(call.request_id, transfer)
         layers = action.cut if schedule.streamed else self.shape.num_layers
         queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
-            len(call.token_ids), schedule.streamed))
+            len(call.token_ids), schedule.streamed, call.offer.costs.suffix_scale))
         if layers and not self._compute.acquire(timeout=transfer.wait_s()):
             queued()
             raise TimeoutError(f"transfer {call.transfer_id}: no turn to compute before its "

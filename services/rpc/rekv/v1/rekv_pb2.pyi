@@ -156,8 +156,30 @@ class HandoffRequest(_message.Message):
     forced_schedule: Schedule
     def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
+class ConnectRequest(_message.Message):
+    __slots__ = ("ucx_address", "probe_id", "probe_key")
+    UCX_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_ID_FIELD_NUMBER: _ClassVar[int]
+    PROBE_KEY_FIELD_NUMBER: _ClassVar[int]
+    ucx_address: str
+    probe_id: str
+    probe_key: bytes
+    def __init__(self, ucx_address: _Optional[str] = ..., probe_id: _Optional[str] = ..., probe_key: _Optional[bytes] = ...) -> None: ...
+
+class ConnectResponse(_message.Message):
+    __slots__ = ("connected_now", "connect_ms", "probe_bytes", "probe_ms")
+    CONNECTED_NOW_FIELD_NUMBER: _ClassVar[int]
+    CONNECT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROBE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PROBE_MS_FIELD_NUMBER: _ClassVar[int]
+    connected_now: bool
+    connect_ms: float
+    probe_bytes: int
+    probe_ms: float
+    def __init__(self, connected_now: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., probe_ms: _Optional[float] = ...) -> None: ...
+
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +212,7 @@ class DecodeOffer(_message.Message):
     COMPUTING_FIELD_NUMBER: _ClassVar[int]
     BACKLOG_MS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_SCALE_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -208,7 +231,8 @@ class DecodeOffer(_message.Message):
     computing: int
     backlog_ms: float
     planned_transfers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ...) -> None: ...
+    suffix_scale: float
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action")

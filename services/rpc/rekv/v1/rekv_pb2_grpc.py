@@ -119,6 +119,11 @@ class PrefillStub:
                 request_serializer=rekv_dot_v1_dot_rekv__pb2.HandoffRequest.SerializeToString,
                 response_deserializer=rekv_dot_v1_dot_rekv__pb2.HandoffResponse.FromString,
                 _registered_method=True)
+        self.Connect = channel.unary_unary(
+                '/rekv.v1.Prefill/Connect',
+                request_serializer=rekv_dot_v1_dot_rekv__pb2.ConnectRequest.SerializeToString,
+                response_deserializer=rekv_dot_v1_dot_rekv__pb2.ConnectResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -134,6 +139,19 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Connect(self, request, context):
+        """Make this worker's data-plane connection to a decode worker's UCX listener now, so that
+        worker's first handoff does not wait for it (a UCX endpoint over TCP takes a few hundred
+        ms to wire up), and with `probe_id`, time the link: send the probe (bursts of zeros, see
+        rekv_core/handoff/probe.py) under that id, so the decode worker plans its first handoff on a
+        measured link. A decode worker calls it once for each prefill replica it learns of; calling
+        it again keeps the connection it has. Answers once the probe has left. UNAVAILABLE when the
+        listener cannot be reached, INVALID_ARGUMENT naming the field for a bad address or key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +159,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Handoff,
                     request_deserializer=rekv_dot_v1_dot_rekv__pb2.HandoffRequest.FromString,
                     response_serializer=rekv_dot_v1_dot_rekv__pb2.HandoffResponse.SerializeToString,
+            ),
+            'Connect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=rekv_dot_v1_dot_rekv__pb2.ConnectRequest.FromString,
+                    response_serializer=rekv_dot_v1_dot_rekv__pb2.ConnectResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -171,6 +194,33 @@ class Prefill:
             '/rekv.v1.Prefill/Handoff',
             rekv_dot_v1_dot_rekv__pb2.HandoffRequest.SerializeToString,
             rekv_dot_v1_dot_rekv__pb2.HandoffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rekv.v1.Prefill/Connect',
+            rekv_dot_v1_dot_rekv__pb2.ConnectRequest.SerializeToString,
+            rekv_dot_v1_dot_rekv__pb2.ConnectResponse.FromString,
             options,
             channel_credentials,
             insecure,
