@@ -12,8 +12,8 @@ on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, an
 probe's link sample to `link` (the decode calibration's `LinkEstimate`). It says how it went:
 True (connected), False (the replica refused, or its probe failed: its first handoff connects as
 it would have anyway), None (not reachable yet: worth trying again; `PrefillPool` does, with
-backoff). Nothing here is needed for
-correctness: it moves the wait off the first request and gives the planner a measured link.
+backoff). Nothing here is needed for correctness: it moves the wait off the first request and
+gives the planner a measured link.
 """
 
 from __future__ import annotations
@@ -72,10 +72,12 @@ class ConnectAhead:
         request = wire_convert.connect_request(ConnectCall(self.receiver.address, probe_id, key))
         try:
             reply = await peer.stub.Connect(request, timeout=self.timeout_s)
-        except grpc.aio.AioRpcError as exc:
+        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
             if receiving is not None:
                 self.receiver.abort(probe_id)  # wakes the probe's reader
                 await asyncio.gather(receiving, return_exceptions=True)
+            if isinstance(exc, asyncio.CancelledError):  # the pool closes, or lost the peer
+                raise
             if exc.code() == grpc.StatusCode.UNAVAILABLE:
                 return None
             log.warning("prefill pool: %s did not connect its data plane ahead (%s: %s)",
