@@ -172,7 +172,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
         message_ms=_amount(offer.message_ms, "offer.message_ms"),
         link_gbps=_amount(offer.link_gbps, "offer.link_gbps"),
         evidence=_evidence(offer, num_layers),
-        suffix_scale=_amount(offer.suffix_scale, "offer.suffix_scale"))
+        suffix_scale=_scale(offer.suffix_scale))
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
     chunk = schedule_from_proto(rekv_pb2.Schedule(
@@ -232,6 +232,18 @@ def connect_response(connected: Connected):
                                     connect_ms=connected.connect_s * 1e3,
                                     probe_bytes=connected.probe_bytes,
                                     probe_ms=connected.probe_s * 1e3)
+
+
+MAX_SUFFIX_SCALE = 100.0  # a measured suffix this many times its profile says the profile is wrong
+
+
+def _scale(value: float) -> float:
+    """`offer.suffix_scale`: 0 (not measured) or within (0, MAX_SUFFIX_SCALE]; it multiplies the
+    prefill side's own compute figures, so an absurd one must not reach them."""
+    if not 0.0 <= value <= MAX_SUFFIX_SCALE:  # NaN fails too
+        raise InvalidArgument(f"offer.suffix_scale: must lie in [0, {MAX_SUFFIX_SCALE:g}], got "
+                              f"{value}")
+    return value
 
 
 def _amount(value: float, field: str) -> float:

@@ -85,7 +85,8 @@ def handoff_requests(draw):
     offer.codecs.extend(draw(st.lists(CODECS, max_size=4)))
     offer.model = draw(st.sampled_from(["smollm2-135m", "qwen3-8b", ""]))
     offer.num_layers = draw(st.sampled_from([L, 0, 36, 2**32 - 1]))
-    offer.suffix_ms_per_layer, offer.join_ms, offer.link_gbps = (draw(FLOATS) for _ in range(3))
+    offer.suffix_ms_per_layer, offer.join_ms, offer.link_gbps, offer.suffix_scale = (
+        draw(FLOATS) for _ in range(4))
     for codec in draw(st.lists(CODECS, max_size=3)):
         offer.restore_ms_per_mib[codec] = draw(FLOATS)
     for kind in draw(st.lists(st.sampled_from(["joint", "bf16_transfer", "nonsense"]),
@@ -111,6 +112,7 @@ def test_any_handoff_request_converts_or_names_its_field(request):
     for value in (costs.suffix_ms_per_layer, costs.join_ms, costs.message_ms, costs.link_gbps,
                   *costs.restore_ms_per_mib.values()):
         assert 0 <= value < math.inf
+    assert 0 <= costs.suffix_scale <= wire_convert.MAX_SUFFIX_SCALE
     assert all(0 < r < math.inf for r in costs.evidence.over_model.values())
     for action, m in costs.evidence.measured.items():
         assert 0 <= action.cut <= L and 0 <= m.median_ms < math.inf and m.count

@@ -67,6 +67,8 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: r.offer.codecs.append("int3"), "offer.codecs"),
     (lambda r: setattr(r.forced_action, "cut", 31), "forced_action.cut"),
     (lambda r: setattr(r.offer, "backlog_ms", -1.0), "offer.backlog_ms"),
+    (lambda r: setattr(r.offer, "suffix_scale", 1e308), "offer.suffix_scale"),
+    (lambda r: setattr(r.offer, "suffix_scale", float("nan")), "offer.suffix_scale"),
     (lambda r: r.offer.planned_transfers.extend(["t"] * 5000), "offer.planned_transfers"),
 ])
 def test_a_malformed_call_names_its_field(change, field):

@@ -6,20 +6,26 @@ token-only sends nothing at all. A decode worker that has never timed the link p
 when a prefill replica connects to a decode worker (`Prefill.Connect`), it sends a probe:
 
 - `send_probe(sender, request_id, key)` sends stages of `PROBE_MESSAGES` messages named
-  `probe`, each stage four times the bytes of the one before (`PROBE_STAGES`), flushing after
-  each, and stops after the first stage that took `STAGE_S` or longer to leave (so a slow link
-  costs about that much, a fast one at most the last stage), then sends `probe.end`;
+  `probe` (their header: the stage's number), each stage four times the bytes of the one before
+  (`PROBE_STAGES`), flushing after each, and stops after the first stage from the second on that
+  took `STAGE_S` or longer to leave (so a slow link costs about two stages, a fast one at most
+  the last), then sends `probe.end`;
 - `receive_probe(transport, request_id, key, timeout_s)` reads them, each checked against the
   handoff-style key (`seal`: no other process can feed it a rate), and returns a link sample
-  (bytes, seconds): every message's bytes after the first, over the time from the first
-  message's last byte to the last message's. The sender keeps the wire busy throughout (each
-  stage is posted at once, and the next is posted as soon as the last has left the sender, while
-  the kernel's buffers still feed the wire). The first message lands while the reader waits for
-  it, so the start is exact (to within its arrival's `window`); a reader that falls behind only
-  makes the end later. So the sample is never above the link's rate: it is the link's, or how
-  fast this worker takes bytes in when that is slower, which bounds a handoff just as well.
-  None when the transport does not stamp arrivals (in-process), or the first message was
-  already there when the reader first looked.
+  (bytes, seconds): every message's bytes after the anchor, over the time from the anchor's last
+  byte to the last message's, plus the anchor's arrival `window` (it landed up to that long
+  before the reader saw it). The anchor is the second stage's first message when it landed while
+  the reader waited for it (the sender paced its sends, or waited for the first stage to be
+  taken in): the first stage then warms the reader's code paths, whose first message can be seen
+  late, which would make the link look faster. Over TCP the kernel's buffers take the first stage
+  in at once and the second queues right behind it on the wire; the anchor is then the first
+  message. Each stage is posted at once, so within a stage the
+  messages queue on the wire; between stages the wire may idle while the sender waits for the
+  last one to leave, which only lengthens the time, as does a reader that falls behind (it makes
+  the end later). So the sample is never above the link's rate: it is the link's, a little less
+  for the gaps between stages, or how fast this worker takes bytes in when that is slower, which
+  bounds a handoff just as well. None when the transport does not stamp arrivals (in-process),
+  or neither anchor landed while the reader waited for it.
 
 A handoff's own link samples (`transport.arrivals`) must tell wire time from the sender's pauses
 and are rare for streamed handoffs; the probe is back to back by construction. Its bytes are
@@ -61,16 +67,16 @@ def send_probe(sender: TransportSender, request_id: str, key: bytes | None,
     stage has not left within `timeout_s`, `TransportError` when it cannot leave."""
     payload = torch.zeros(PROBE_MESSAGE_BYTES, dtype=torch.uint8)
     seq, sent, began = 0, 0, time.perf_counter()
-    for stage in stages:
+    for number, stage in enumerate(stages):
         size = min(stage // PROBE_MESSAGES, PROBE_MESSAGE_BYTES)
         started = time.perf_counter()
         for _ in range(stage // size):
-            sender.send(seal(key, Message(request_id, seq, PROBE, b"",
+            sender.send(seal(key, Message(request_id, seq, PROBE, str(number).encode(),
                                           {"bytes": payload[:size]})))
             seq += 1
             sent += size
         sender.flush(request_id, timeout_s)
-        if time.perf_counter() - started >= stage_s:
+        if number >= 1 and time.perf_counter() - started >= stage_s:
             break
     sender.send(seal(key, Message(request_id, seq, PROBE_END)))
     sender.flush(request_id, timeout_s)
@@ -84,6 +90,7 @@ def receive_probe(transport: TransportReceiver, request_id: str, key: bytes | No
     `SealError`)."""
     transfer = Transfer(request_id, time.monotonic() + timeout_s, timeout_s)
     arrivals: list[Arrival] = []
+    anchor = 0  # the index of the second stage's first message, once seen
     try:
         while True:
             message = open_message(key, transport.recv(request_id, transfer.wait_s()))
@@ -92,13 +99,17 @@ def receive_probe(transport: TransportReceiver, request_id: str, key: bytes | No
             if message.name != PROBE:
                 raise TransportError(f"probe {request_id}: unexpected message {message.name!r}")
             if message.arrival is not None:
+                if message.header == b"1" and not anchor:
+                    anchor = len(arrivals)
                 arrivals.append(message.arrival)
     except BaseException:
         transport.abort(request_id)
         raise
     transport.close(request_id)
-    if (len(arrivals) < 2 or not arrivals[0].came_while_looking
-            or arrivals[-1].completed <= arrivals[0].completed):
-        return None  # no exact start: the first message was there before the reader looked
-    return (sum(a.nbytes for a in arrivals[1:]),
-            arrivals[-1].completed - arrivals[0].completed + arrivals[0].window / 2)
+    for start in dict.fromkeys((anchor, 0)):
+        train = arrivals[start:]
+        if (len(train) >= 2 and train[0].came_while_looking
+                and train[-1].completed > train[0].completed):
+            return (sum(a.nbytes for a in train[1:]),
+                    train[-1].completed - train[0].completed + train[0].window)
+    return None  # no exact start: each anchor was there before the reader looked

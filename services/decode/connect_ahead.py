@@ -11,9 +11,12 @@ planner would choose blind until some handoff happened to queue on the wire.
 on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, and feeds the
 probe's link sample to `link` (the decode calibration's `LinkEstimate`). It says how it went:
 True (connected), False (the replica refused, or its probe failed: its first handoff connects as
-it would have anyway), None (not reachable yet: worth trying again; `PrefillPool` does, with
-backoff). Nothing here is needed for correctness: it moves the wait off the first request and
-gives the planner a measured link.
+it would have anyway), None (not reachable yet, busy probing for another worker, or its probe
+did not leave in time: worth trying again; `PrefillPool` does, with backoff). Probes go one at a
+time (two at once would each see part of the link), and only while the link is unmeasured: a
+replica added later (DNS) only connects, so it never slows the handoffs in flight. Nothing here
+is needed for correctness: it moves the wait off the first request and gives the planner a
+measured link.
 """
 
 from __future__ import annotations
@@ -52,17 +55,31 @@ async def _listening(address: str, timeout_s: float) -> bool:
     return True
 
 
+# Answers after which asking again later may succeed: not up yet, busy probing another worker,
+# or a probe that did not leave in time.
+RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+         grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class ConnectAhead:
     def __init__(self, receiver: TransportReceiver, link: LinkEstimate | None,
                  timeout_s: float = 30.0):
-        """`link` None: connect only, no probe."""
+        """`link` None: connect only, never probe (a transport that stamps no arrivals)."""
         self.receiver, self.link = receiver, link
         self.timeout_s = timeout_s
+        self._probing = asyncio.Lock()  # one probe at a time: two would share the link
 
     async def __call__(self, peer) -> bool | None:
         if not await _listening(peer.address, self.timeout_s):
             return None  # not up yet; an RPC now would leave the channel in its failure backoff
-        probe_id = f"probe/{uuid.uuid4().hex}" if self.link is not None else None
+        if self.link is None or self.link.samples:
+            # a measured link needs no probe: one now would only slow the handoffs in flight
+            return await self._connect(peer, None)
+        async with self._probing:
+            probe = self.link.samples == 0  # unless the probe before this one measured it
+            return await self._connect(peer, f"probe/{uuid.uuid4().hex}" if probe else None)
+
+    async def _connect(self, peer, probe_id: str | None) -> bool | None:
         key = new_key()
         receiving = None
         if probe_id is not None:
@@ -72,37 +89,33 @@ class ConnectAhead:
         request = wire_convert.connect_request(ConnectCall(self.receiver.address, probe_id, key))
         try:
             reply = await peer.stub.Connect(request, timeout=self.timeout_s)
-        except (grpc.aio.AioRpcError, asyncio.CancelledError) as exc:
+            if reply.connected_now:
+                log.info("prefill pool: %s connected its data plane to %s in %.0f ms",
+                         peer.address, self.receiver.address, reply.connect_ms)
             if receiving is not None:
-                self.receiver.abort(probe_id)  # wakes the probe's reader
-                await asyncio.gather(receiving, return_exceptions=True)
-            if isinstance(exc, asyncio.CancelledError):  # the pool closes, or lost the peer
-                raise
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self._learn(peer, await receiving, reply)
+            return True
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in RETRY:
                 return None
             log.warning("prefill pool: %s did not connect its data plane ahead (%s: %s)",
                         peer.address, exc.code().name, exc.details())
             return False
-        if reply.connected_now:
-            log.info("prefill pool: %s connected its data plane to %s in %.0f ms",
-                     peer.address, self.receiver.address, reply.connect_ms)
-        if receiving is not None:
-            return await self._learn(peer, receiving, reply)
-        return True
-
-    async def _learn(self, peer, receiving: asyncio.Future, reply) -> bool:
-        try:
-            sample = await receiving
-        except Exception as exc:
+        except Exception as exc:  # the probe's receive failed: its checks, its deadline
             log.warning("prefill pool: link probe from %s failed: %s", peer.address, exc)
             return False
+        finally:
+            if receiving is not None and not receiving.done():  # an error, or cancelled
+                self.receiver.abort(probe_id)  # wakes the probe's reader
+                await asyncio.gather(receiving, return_exceptions=True)
+
+    def _learn(self, peer, sample: tuple[int, float] | None, reply) -> None:
         if sample is None:
             log.info("prefill pool: link probe from %s (%d bytes in %.1f ms) timed nothing",
                      peer.address, reply.probe_bytes, reply.probe_ms)
-            return True
+            return
         nbytes, seconds = sample
         self.link.observe(nbytes, seconds)
         log.info("prefill pool: link probe from %s: %.3f Gb/s (%d bytes back to back in %.1f "
                  "ms); link estimate %.3f Gb/s", peer.address, nbytes * 8 / seconds / 1e9,
                  nbytes, seconds * 1e3, self.link.gbps)
-        return True

@@ -115,7 +115,8 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
     async def Connect(self, request, context):
         try:
             call = wire_convert.connect_call(request)
-            connected = await asyncio.to_thread(self.worker.connect, call)
+            remaining = context.time_remaining()
+            connected = await asyncio.to_thread(self.worker.connect, call, remaining)
         except Exception as exc:
             code, reason = status_for(exc)
             log.warning("connect to %s failed (%s): %s", request.ucx_address[:80], reason, exc)

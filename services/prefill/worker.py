@@ -29,7 +29,7 @@ from rekv_core.plan.planner import Decision, Planner, common_codecs
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.transport import TransportError, create_sender_pool
 from services.calls import ConnectCall, Connected, HandoffCall
-from services.errors import InvalidArgument
+from services.errors import InvalidArgument, ResourceExhausted
 from services.metrics import ServiceMetrics
 from services.prefill.assigned import AssignedWork
 from services.prefill.faults import Faults
@@ -57,6 +57,7 @@ class PrefillWorker(Worker):
         self.policy = policy or Policy(self.shape.name, (1, self.shape.max_positions), {})
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self._compute = threading.Lock()
+        self._probing = threading.Lock()  # a link probe being sent (`connect`)
         self.backlog = _Backlog()  # the prefill compute queued or running here
         self.assigned = AssignedWork()  # decode-side compute given out, for offers made before
         self.faults = Faults(settings.fault_inject, settings.fault_hold_s)
@@ -125,21 +126,29 @@ class PrefillWorker(Worker):
         hidden = 2 * shape.boundary_bytes(prompt_len, elem)
         return prefill + hidden + shape.num_layers * shape.kv_layer_bytes(prompt_len)
 
-    def connect(self, call: ConnectCall) -> Connected:
+    def connect(self, call: ConnectCall, time_remaining: float | None = None) -> Connected:
         """Hold a data-plane connection to the decode worker at `call.address` (one already held
-        and unbroken is kept), and send it the link probe it asked for."""
+        and unbroken is kept), and send it the link probe it asked for within `time_remaining`
+        (the call's; None: `handoff_timeout_s`). One probe at a time: while one runs, another
+        is refused (`ResourceExhausted`: it would share the link, and each pins a thread)."""
         started = time.perf_counter()
         made = not self.senders.holds(call.address)
         sender = self.senders.to(call.address)
         connect_s = time.perf_counter() - started if made else 0.0
         if call.probe_id is None:
             return Connected(made, connect_s)
+        if not self._probing.acquire(blocking=False):
+            raise ResourceExhausted("probe: another probe is being sent; ask again later")
+        timeout = self.settings.handoff_timeout_s
+        if time_remaining is not None:
+            timeout = max(0.0, min(timeout, time_remaining - (time.perf_counter() - started)))
         try:
-            sent = send_probe(sender, call.probe_id, call.probe_key,
-                              timeout_s=self.settings.handoff_timeout_s)
+            sent = send_probe(sender, call.probe_id, call.probe_key, timeout_s=timeout)
         except TransportError:
             self.senders.drop_if_broken(call.address)
             raise
+        finally:
+            self._probing.release()
         return Connected(made, connect_s, sent.bytes, sent.seconds)
 
     def handoff(self, call: HandoffCall, decision: Decision, schedule: Schedule,
