@@ -154,25 +154,3 @@ def test_start_waits_a_bounded_time_and_close_or_retirement_stops_the_asking(mon
 
     asyncio.run(scenario())
 
-
-def test_a_peer_reported_unreachable_is_asked_again():
-    """A restarted replica keeps its address but not its data-plane connections."""
-    calls = []
-
-    async def on_added(peer):
-        calls.append(peer.address)
-        return True
-
-    async def scenario():
-        pool = PrefillPool("127.0.0.1:1", on_added=on_added)
-        await pool.start()
-        peer = pool.pick()
-        pool.report(peer, unreachable=True)
-        await asyncio.sleep(0.05)
-        assert calls == ["127.0.0.1:1", "127.0.0.1:1"]
-        pool.report(pool.pick(), reported_queue=0)  # a call that went well asks nothing
-        await asyncio.sleep(0.05)
-        assert len(calls) == 2
-        await pool.close()
-
-    asyncio.run(scenario())

@@ -17,8 +17,10 @@ With `on_added` (`connect_ahead.ConnectAhead`), each new peer is asked to make t
 once, in the background, and asked again (after 0.5 s, then twice as long each time, up to
 `refresh_s`) while `on_added` answers None (not reachable yet); `start()` waits up to
 `start_wait_s` for the first peers' first answers, so a decode worker that reports ready has its
-data plane connected to every prefill replica that was up. A peer reported unreachable is asked
-again (a restarted replica keeps its address but not its connections).
+data plane connected to every prefill replica that was up. A replica that restarts at the same
+address is not asked again: its first handoff connects, as before (asking it would race the
+restart, and an RPC refused then leaves the peer's gRPC channel in reconnect backoff, during
+which the first real handoff fails at once).
 """
 
 from __future__ import annotations
@@ -176,15 +178,6 @@ class PrefillPool:
             peer.down_until = time.monotonic() + self.down_s
             log.warning("prefill pool: %s unreachable, left out for %.0f s", peer.address,
                         self.down_s)
-            self._announce_again(peer.address)
-
-    def _announce_again(self, address: str) -> None:
-        """A peer that went away (a restarted replica keeps its address) is asked again, once
-        it accepts connections, to connect its data plane ahead."""
-        task = self._added.get(address)
-        if task is not None and task.done() and address in self.peers:
-            del self._added[address], self._answered[address]
-            self._announce()
 
     async def close(self) -> None:
         if self._refresher is not None:
