@@ -46,7 +46,8 @@ def test_the_probe_times_a_paced_link(ucx_receiver, gbps):
     finally:
         pool.shutdown()
     nbytes, seconds = got["sample"]
-    assert 0.75 * gbps <= nbytes * 8 / seconds / 1e9 <= 1.1 * gbps
+    # at most 1.5x: an anchor stamped late on a loaded machine shortens the time (module doc)
+    assert 0.75 * gbps <= nbytes * 8 / seconds / 1e9 <= 1.5 * gbps
     # from the second stage on, one of at least 20 ms ends it: at both rates the second
     # (2 MiB: 168 and 42 ms)
     assert sent.bytes == sum(PROBE_STAGES[:2])

@@ -22,10 +22,12 @@ when a prefill replica connects to a decode worker (`Prefill.Connect`), it sends
   message. Each stage is posted at once, so within a stage the
   messages queue on the wire; between stages the wire may idle while the sender waits for the
   last one to leave, which only lengthens the time, as does a reader that falls behind (it makes
-  the end later). So the sample is never above the link's rate: it is the link's, a little less
-  for the gaps between stages, or how fast this worker takes bytes in when that is slower, which
-  bounds a handoff just as well. None when the transport does not stamp arrivals (in-process),
-  or neither anchor landed while the reader waited for it.
+  the end later). So the sample is the link's rate, a little less for the gaps between stages,
+  or how fast this worker takes bytes in when that is slower, which bounds a handoff just as
+  well. It errs high only when the anchor's last byte is stamped late (the reader's thread kept
+  from the core just then): by that delay over the probe's time, up to 30% on a loaded 2-core
+  machine in tests, for a probe of a few tens of ms. None when the transport does not stamp
+  arrivals (in-process), or neither anchor landed while the reader waited for it.
 
 A handoff's own link samples (`transport.arrivals`) must tell wire time from the sender's pauses
 and are rare for streamed handoffs; the probe is back to back by construction. Its bytes are
