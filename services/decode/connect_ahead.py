@@ -33,6 +33,7 @@ from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.transport import TransportReceiver
 from services import wire_convert
 from services.calls import ConnectCall
+from services.settings import split_host_port
 
 log = logging.getLogger("rekv.decode.pool")
 
@@ -41,10 +42,9 @@ async def _listening(address: str, timeout_s: float) -> bool:
     """Whether something accepts TCP connections at `address` (host:port, IPv6 in brackets),
     tried without gRPC: a failed RPC would put the peer's channel into reconnect backoff, during
     which the first real handoff to a replica that has just come up would fail at once."""
-    host, _, port = address.rpartition(":")
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host.strip("[]"), int(port)),
-                                           timeout_s)
+        host, port = split_host_port(address, "the prefill replica")
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     except (OSError, asyncio.TimeoutError, ValueError):
         return False
     writer.close()

@@ -111,7 +111,6 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
             queue_depth=self.active, schedule=schedule))
 
-
     async def Connect(self, request, context):
         try:
             call = wire_convert.connect_call(request)
