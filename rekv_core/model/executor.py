@@ -276,11 +276,13 @@ def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
 
 
 @torch.inference_mode()
-def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache: KVCache
-                     ) -> torch.Tensor:
-    """Run layers [start, L) for the boundary rows [pos, pos + n) in `h` `[n, d]`, attending to the
-    K and V of rows [0, pos) already in `cache`; writes this chunk's K and V there and returns the
-    final residual states `[n, d]`. `pos` must be a multiple of `EXEC_BLOCK` (`chunk_bounds`)."""
+def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache: KVCache,
+                     stop: int | None = None) -> torch.Tensor:
+    """Run layers [start, stop) (stop: L by default) for the rows [pos, pos + n) in `h` `[n, d]`,
+    attending to the K and V of rows [0, pos) already in `cache`; writes this chunk's K and V there
+    and returns the residual states leaving layer stop − 1 `[n, d]`. `pos` must be a multiple of
+    `EXEC_BLOCK` (`chunk_bounds`). From `embed`'s rows with start 0 and stop c, a prefill run in
+    token chunks up to the cut: its h_c rows are the unchunked prefill's."""
     if pos % EXEC_BLOCK:
         raise ValueError(f"pos: must be a multiple of {EXEC_BLOCK}, got {pos}")
     n = h.shape[0]
@@ -292,7 +294,10 @@ def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache:
         cache.write(index, pos, k, v)
         return cache.layer(index, pos + n)
 
-    for step in range(start, model.shape.num_layers):
+    stop = model.shape.num_layers if stop is None else stop
+    if not 0 <= start <= stop <= model.shape.num_layers:
+        raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
+    for step in range(start, stop):
         h, _, _ = _layer(model, step, h, cos, sin, store, causal_from=pos)
     return h
 
