@@ -65,6 +65,27 @@ def test_chunked_suffix_is_bit_identical(smollm_fp32, smollm_bf16, dtype, seq_le
             assert torch.equal(ref.keys[j], state.keys[cut + j])
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_prefill_in_token_chunks_up_to_the_cut_is_bit_identical(smollm_fp32, smollm_bf16,
+                                                                  dtype):
+    """The building block of a pipelined handoff: the prefill side runs layers [0, c) chunk by
+    chunk, so each chunk's h_c rows can leave while the next chunk computes."""
+    model = smollm_fp32 if dtype == "fp32" else smollm_bf16
+    cut, L, seq_len = 12, model.shape.num_layers, 700
+    ids = _ids(seq_len, seed=3)
+    state = prefill(model, ids, boundaries={cut})
+    for chunk in (EXEC_BLOCK, 2 * EXEC_BLOCK):
+        cache = KVCache(L, model.shape.num_kv_heads, model.shape.head_dim, seq_len, model.dtype)
+        rows = [run_layers_chunk(model, executor.embed(model, ids[s0:s1]), 0, s0, cache, stop=cut)
+                for s0, s1 in chunk_bounds(seq_len, chunk)]
+        assert torch.equal(torch.cat(rows), state.hidden[cut]), chunk
+        for layer in range(cut):
+            assert torch.equal(cache.keys[layer][:, :seq_len], state.keys[layer]), (chunk, layer)
+            assert torch.equal(cache.values[layer][:, :seq_len], state.values[layer])
+    with pytest.raises(ValueError, match="outside"):
+        run_layers_chunk(model, executor.embed(model, ids[:8]), 0, 0, cache, stop=L + 1)
+
+
 def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=None,
               transfer=None, hooks=None):
     source = LivePrefill(model, ids, action.cut, on_done=on_done)

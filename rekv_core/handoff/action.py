@@ -101,20 +101,29 @@ class Schedule:
     """How a handoff is sent. `streamed`: from inside the prefill, each prefix layer as soon as it
     is computed, the prefill stopping at the cut; else after a prefill of every layer, the
     boundary first (the seed's). `chunk_tokens`: the boundary in chunks of that many tokens (a
-    multiple of `EXEC_BLOCK`), each of which the decode side starts on at once; 0: one message."""
+    multiple of `EXEC_BLOCK`), each of which the decode side starts on at once; 0: one message.
+    `pipelined` (streamed, in chunks): the prefill itself runs in those token chunks up to the cut,
+    and each chunk's boundary rows, then its prefix rows, leave as soon as the chunk has reached
+    the cut, so the decode side's layers run on the first chunk while the prefill computes the
+    next (token order; else layer order). It applies to interior cuts whose codec ranks no tokens
+    (`Codec.importance_window` 0); other actions go in layer order."""
 
     streamed: bool = True
     chunk_tokens: int = 0
+    pipelined: bool = False
 
     def __post_init__(self) -> None:
         chunk_bounds(1, self.chunk_tokens)  # ValueError naming chunk_tokens
+        if self.pipelined and not (self.streamed and self.chunk_tokens):
+            raise ValueError("pipelined: needs a streamed schedule with the boundary in chunks "
+                             "(chunk_tokens > 0)")
 
     @classmethod
     def seed(cls) -> Schedule:
         return cls(streamed=False, chunk_tokens=0)
 
     def __str__(self) -> str:
-        how = "streamed" if self.streamed else "after_prefill"
+        how = "pipelined" if self.pipelined else "streamed" if self.streamed else "after_prefill"
         return f"{how}/chunk{self.chunk_tokens}" if self.chunk_tokens else how
 
 

@@ -5,7 +5,9 @@ decrypted when the handoff is encrypted (`seal`), keeping their arrivals for the
 `Incoming` reads every message after the plan: it restores the prefix layers into the cache in
 layer order (on CUDA on a stream of its own), hands the boundary's chunks to the suffix in chunk
 order (`next_chunk`), and keeps the head; the kinds may come in any order (a streamed handoff sends
-the prefix layers as they are computed, then the boundary). Any
+the prefix layers as they are computed, then the boundary; a pipelined one, `row_chunks`, each
+prefix layer in those row ranges, `layer.{i}.{k}`, each layer's in chunk order, interleaved with the
+boundary's chunks). Any
 other message, a second copy, or one out of its kind's order is a `TransportError`. `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it.
 """
@@ -22,7 +24,7 @@ from rekv_core.codecs import EncodedKV, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.seal import decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
-from rekv_core.handoff.wire import HEAD, boundary_name, layer_name
+from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model
 from rekv_core.transport import Message, TransportError, TransportReceiver
@@ -64,11 +66,12 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 class Incoming:
     def __init__(self, model: Model, inbound: Inbound, action: Action, S: int, cache: KVCache,
-                 chunks: int, started: float):
+                 chunks: int, started: float, row_chunks: list[tuple[int, int]] | None = None):
         self.model, self.inbound, self.action, self.cache = model, inbound, action, cache
         self.codec = get_codec(action.codec)
         self.kv_shape = (model.shape.num_kv_heads, S, model.shape.head_dim)
         self.num_chunks = chunks
+        self.row_chunks = row_chunks
         self.bytes = WireBytes()
         self.error: BaseException | None = None
         self.done = started  # the prefix restored
@@ -108,6 +111,9 @@ class Incoming:
 
     def _receive_all(self) -> None:
         c, L = self.action.cut, self.action.num_layers
+        if self.row_chunks is not None:
+            self._receive_in_token_order()
+            return
         layer = chunk = 0
         for _ in range(c + self.num_chunks + (c == L)):
             message = self.inbound.next()
@@ -126,17 +132,43 @@ class Incoming:
                                      f"{message.name!r} (after {layer} of {c} layers and "
                                      f"{chunk} of {self.num_chunks} boundary chunks)")
 
-    def _restore(self, index: int, message: Message) -> None:
+    def _receive_in_token_order(self) -> None:
+        """A pipelined handoff: c·chunks prefix messages and the boundary's chunks."""
+        c, chunks = self.action.cut, self.row_chunks
+        next_rows = [0] * c  # per layer, the chunk of rows it expects next
+        chunk = restored = 0
+        for _ in range(c * len(chunks) + self.num_chunks):
+            message = self.inbound.next()
+            rows = parse_layer_rows(message.name)
+            if rows is not None and rows[0] < c and rows[1] == next_rows[rows[0]] < len(chunks):
+                index, k = rows
+                self._restore(index, message, *chunks[k])
+                next_rows[index] += 1
+                restored += 1
+                if restored == c * len(chunks):
+                    self.done = time.perf_counter()
+            elif chunk < self.num_chunks and message.name == boundary_name(chunk):
+                self._chunks.put(message)
+                chunk += 1
+            else:
+                raise TransportError(f"request {self.inbound.request_id}: unexpected message "
+                                     f"{message.name!r} (after {restored} of {c * len(chunks)} "
+                                     f"prefix chunks and {chunk} of {self.num_chunks} boundary "
+                                     f"chunks)")
+
+    def _restore(self, index: int, message: Message, s0: int = 0, s1: int | None = None) -> None:
+        """Decode `message` into rows [s0, s1) of layer `index` (default: all of them)."""
         streams.wait_ready(message.ready, message.buffers.values())
         encoded = EncodedKV.from_wire(message.header,
                                       _on_device(message.buffers, self.model.device))
-        if tuple(encoded.shape) != self.kv_shape:
-            raise TransportError(f"{message.name}: shape {encoded.shape}, "
-                                 f"expected {self.kv_shape}")
+        n_kv, S, d_h = self.kv_shape
+        expected = (n_kv, (S if s1 is None else s1) - s0, d_h)
+        if tuple(encoded.shape) != expected:
+            raise TransportError(f"{message.name}: shape {encoded.shape}, expected {expected}")
         if self.decoding_began is None and not self.codec.restore_is_copy:
             self.decoding_began = time.perf_counter()
         k, v = self.codec.decode(encoded)
-        self.cache.write(index, 0, k.to(self.model.dtype), v.to(self.model.dtype))
+        self.cache.write(index, s0, k.to(self.model.dtype), v.to(self.model.dtype))
         self.bytes += split_layer_bytes(encoded.header()["buffers"])
 
     def join_compute_stream(self) -> None:

@@ -14,7 +14,9 @@ opened request and always ends it: `close` after success, `abort` after any fail
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
-The same reading serves a streamed handoff (`Plan.streamed`), whose prefix comes first.
+The same reading serves a streamed handoff (`Plan.streamed`), whose prefix comes first, and a
+pipelined one (`Plan.pipelined`), whose prefix comes in the boundary's row chunks, each chunk's
+after its boundary rows.
 
 Every message is opened with the handoff's key and its bytes checked against their checksums before
 anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only
@@ -203,7 +205,8 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
     this thread one boundary chunk at a time (overlap), or after the whole prefix (sequential)."""
     action, S = plan.action, plan.seq_len
     hidden = model.shape.hidden_size
-    incoming = Incoming(model, inbound, action, S, cache, len(plan.boundary_chunks), start)
+    incoming = Incoming(model, inbound, action, S, cache, len(plan.boundary_chunks), start,
+                        plan.prefix_row_chunks)
     suffix = None
     if not action.sends_boundary:  # transfer-only: nothing to recompute
         inbound.transfer.advance(TransferState.PREFIX)

@@ -7,7 +7,9 @@ each prefix layer as soon as it is encoded, so layer 0 is on the wire while laye
 quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
 has computed it, then the boundary chunks once it has reached the cut (the last layer goes first:
 it starts the decode side's link sample, which the boundary's first chunk, queued behind it,
-completes); for transfer-only, the last position's final hidden state last. It returns the
+completes); from a prefill in token chunks (`ChunkedPrefill`, pipelined), each chunk's boundary
+rows as soon as the chunk has reached the cut, then its rows of each prefix layer, encoded on
+their own; for transfer-only, the last position's final hidden state last. It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
 message and gives up what it posted. Every message is sealed with the handoff's key and carries
@@ -33,9 +35,10 @@ from rekv_core.codecs import Codec, EncodeContext, get_codec
 from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
 from rekv_core.handoff.boundary import chunk_codebook, encode_chunk
 from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
-from rekv_core.handoff.source import FinishedPrefill, PrefillSource
+from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
-from rekv_core.handoff.wire import HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name, tensor_bytes
+from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name,
+                                    layer_rows_name, tensor_bytes)
 from rekv_core.model.executor import PrefillOutput
 from rekv_core.model.shapes import ModelShape
 from rekv_core.transport import Message, TransportSender
@@ -59,13 +62,14 @@ class SenderReport:
 
 
 def send_handoff(transport: TransportSender, request_id: str, action: Action, shape: ModelShape,
-                 token_ids: Sequence[int], state: PrefillOutput | PrefillSource,
+                 token_ids: Sequence[int], state: PrefillOutput | PrefillSource | ChunkedPrefill,
                  flush_timeout: float = 60.0, key: bytes | None = None,
                  transfer: Transfer | None = None, expect_ms: float = 0.0,
                  hooks: SendHooks | None = None, encrypted: bool = False,
                  chunk_tokens: int = 0, boundary_codebook: list[int] | None = None,
                  codec: Codec | None = None) -> SenderReport:
-    """`state`: a finished prefill, or a `PrefillSource` (`LivePrefill` streams).
+    """`state`: a finished prefill, or a `PrefillSource` (`LivePrefill` streams) or a
+    `ChunkedPrefill` (pipelined: its chunks must be `chunk_tokens`'s, its cut the action's).
     `chunk_tokens`: the boundary's chunk size (`chunk_bounds`; 0: one message).
     `key`: the handoff's key from the decode side; every message is sealed with it (`seal`).
     `transfer`: the handoff's state and deadline: a cancelled or late transfer stops before its
@@ -84,8 +88,15 @@ def send_handoff(transport: TransportSender, request_id: str, action: Action, sh
         raise ValueError("encrypted: needs the handoff's key")
     transfer = transfer or Transfer(request_id, stall_s=flush_timeout)
     source = FinishedPrefill(state, action.cut) if isinstance(state, PrefillOutput) else state
+    plan = Plan.of(action, shape, len(token_ids), expect_ms, source.streamed, chunk_tokens,
+                   source.pipelined)
+    if source.pipelined and (source.cut != action.cut or source.bounds != plan.boundary_chunks):
+        raise ValueError("state: a prefill in token chunks must stop at the action's cut and run "
+                         "in the boundary's chunks")
+    if source.pipelined and (codec or get_codec(action.codec)).importance_window:
+        raise ValueError(f"codec: {action.codec} ranks a layer's tokens and cannot encode a "
+                         f"chunk of them alone (pipelined)")
     stream = streams.side_stream(source.device)
-    plan = Plan.of(action, shape, len(token_ids), expect_ms, source.streamed, chunk_tokens)
     try:
         report = _send(plan, token_ids, source, stream,
                        _Posting(transport, request_id, transfer, key, hooks, encrypted),
@@ -150,6 +161,10 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
         sent += _send_boundary(plan, source, stream, send, boundary_codebook)
+    if plan.pipelined:
+        report = _send_in_token_order(plan, source, stream, send, boundary_codebook, codec)
+        send.flush()
+        return SenderReport(report.quantize_seconds, sent + report.bytes)
 
     quantize = 0.0
     with contextlib.closing(source.layers()) as layers:
@@ -173,6 +188,33 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         send(HEAD, buffers={"h": tensor_bytes(head)})
         sent += WireBytes(head=head.numel() * BF16_BYTES)
     send.flush()
+    return SenderReport(quantize_seconds=quantize, bytes=sent)
+
+
+def _send_in_token_order(plan: Plan, source: ChunkedPrefill, stream, send: _Posting,
+                         codebook: list[int] | None, codec: Codec) -> SenderReport:
+    """Each chunk as the prefill passes the cut: its boundary rows, then its rows of each
+    prefix layer."""
+    sent, quantize = WireBytes(), 0.0
+    with contextlib.closing(source.chunks()) as chunks:
+        for chunk in chunks:
+            streams.follow(stream, source.device)
+            with streams.on_stream(stream):
+                rows = chunk.boundary.to(torch.bfloat16)
+                codebook = chunk_codebook(rows, plan.boundary, codebook)
+                buffers, extra = encode_chunk(rows, plan.boundary, codebook)
+                header = with_checksums(buffers, extra)
+            send(boundary_name(chunk.index), header, buffers)
+            sent += WireBytes(boundary=sum(b.numel() for b in buffers.values()))
+            for layer in chunk.layers:
+                start = time.perf_counter()
+                with streams.on_stream(stream):
+                    encoded = codec.encode(layer.keys.contiguous(), layer.values.contiguous(),
+                                           context=EncodeContext())
+                quantize += time.perf_counter() - start
+                send(layer_rows_name(layer.index, chunk.index), encoded.header_bytes(),
+                     encoded.buffers, state=TransferState.PREFIX)
+                sent += split_layer_bytes(encoded.header()["buffers"])
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 

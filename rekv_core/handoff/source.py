@@ -16,6 +16,11 @@ when the prefill has computed it) and, for transfer-only, the last position's fi
   it is yielded: the prefill service releases its compute lock at the cut, not once the sender
   has sent it) or the source is closed, whichever is first, and `compute_s` is the compute's
   time.
+- `ChunkedPrefill(model, token_ids, cut, chunk_tokens)` (pipelined, token order): runs layers
+  [0, c) one token chunk at a time (`run_layers_chunk`, the chunks `chunk_bounds` gives; each
+  attends to the earlier chunks' K and V, so every row is the unchunked prefill's, bit for bit),
+  and `chunks()` yields each chunk once it has reached the cut: its h_c rows and its rows of every
+  prefix layer. Only an interior cut. `on_done` and `compute_s` as for `LivePrefill`.
 """
 
 from __future__ import annotations
@@ -27,7 +32,9 @@ from typing import Protocol
 
 import torch
 
-from rekv_core.model.executor import Model, PrefillOutput, embed, iter_layers
+from rekv_core.model.blocks import chunk_bounds
+from rekv_core.model.cache import KVCache
+from rekv_core.model.executor import Model, PrefillOutput, embed, iter_layers, run_layers_chunk
 
 
 @dataclass(frozen=True)
@@ -38,8 +45,17 @@ class ProducedLayer:
     importance: torch.Tensor | None = None  # [S], for codecs that rank tokens
 
 
+@dataclass(frozen=True)
+class ProducedChunk:
+    index: int
+    rows: tuple[int, int]  # [s0, s1)
+    boundary: torch.Tensor  # h_c's rows [n, d]
+    layers: list[ProducedLayer]  # each prefix layer's K and V of these rows [n_kv, n, d_h]
+
+
 class PrefillSource(Protocol):
     streamed: bool
+    pipelined: bool
     device: torch.device
 
     def layers(self) -> Iterator[ProducedLayer]: ...
@@ -50,7 +66,7 @@ class PrefillSource(Protocol):
 
 
 class FinishedPrefill:
-    streamed = False
+    streamed = pipelined = False
 
     def __init__(self, state: PrefillOutput, cut: int):
         self.state, self.cut = state, cut
@@ -70,7 +86,7 @@ class FinishedPrefill:
 
 
 class LivePrefill:
-    streamed = True
+    streamed, pipelined = True, False
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
                  on_done: Callable[[], None] | None = None, importance_window: int = 0):
@@ -112,6 +128,52 @@ class LivePrefill:
 
     def head(self) -> torch.Tensor:
         return self.boundary()[-1]
+
+    def close(self) -> None:
+        """Call `on_done` if it was not yet called (idempotent)."""
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
+
+
+class ChunkedPrefill:
+    streamed = pipelined = True
+
+    def __init__(self, model: Model, token_ids: Sequence[int], cut: int, chunk_tokens: int,
+                 on_done: Callable[[], None] | None = None):
+        if not 0 < cut < model.shape.num_layers:
+            raise ValueError(f"cut: a prefill in token chunks stops at an interior cut, in "
+                             f"(0, {model.shape.num_layers}), got {cut}")
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens: a prefill in token chunks needs chunks, got "
+                             f"{chunk_tokens}")
+        self.model, self.token_ids, self.cut = model, token_ids, cut
+        self.bounds = chunk_bounds(len(token_ids), chunk_tokens)
+        self.device = model.device
+        self.compute_s = 0.0
+        self._on_done = on_done
+
+    def chunks(self) -> Iterator[ProducedChunk]:
+        model, shape, c = self.model, self.model.shape, self.cut
+        cache = KVCache(c, shape.num_kv_heads, shape.head_dim, len(self.token_ids), model.dtype,
+                        model.device)
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                for index, (s0, s1) in enumerate(self.bounds):
+                    h = run_layers_chunk(model, embed(model, self.token_ids[s0:s1]), 0, s0,
+                                         cache, stop=c)
+                    layers = [ProducedLayer(i, cache.keys[i][:, s0:s1], cache.values[i][:, s0:s1])
+                              for i in range(c)]
+                    if index == len(self.bounds) - 1:
+                        if model.device.type == "cuda":
+                            torch.cuda.current_stream(model.device).synchronize()
+                        self.close()
+                    self.compute_s += time.perf_counter() - started
+                    yield ProducedChunk(index, (s0, s1), h, layers)
+                    started = time.perf_counter()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Call `on_done` if it was not yet called (idempotent)."""

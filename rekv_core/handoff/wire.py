@@ -11,7 +11,9 @@ transfer-only, `head` (the final hidden state of the last position, BF16).
 A streamed handoff (`Plan.streamed`) is sent while the prefill runs: each layer as soon as the
 prefill has computed it, so the boundary chunks come after the prefix layers (the prefill has h_c
 only once it has computed layer c−1); a receiver takes each kind in its own order and the kinds in
-any order.
+any order. A pipelined handoff (`Plan.pipelined`: the prefill runs in the boundary's token chunks)
+sends, for each chunk in turn, its boundary rows and then its rows of every prefix layer,
+`layer.{i}.{k}` (`layer_rows_name`: layer i, chunk k, encoded on their own).
 """
 
 from __future__ import annotations
@@ -33,6 +35,18 @@ def layer_name(index: int) -> str:
     return f"layer.{index}"
 
 
+def layer_rows_name(index: int, chunk: int) -> str:
+    return f"layer.{index}.{chunk}"
+
+
+def parse_layer_rows(name: str) -> tuple[int, int] | None:
+    """(layer, chunk) of a `layer_rows_name`, else None."""
+    parts = name.split(".")
+    if len(parts) == 3 and parts[0] == "layer" and parts[1].isdigit() and parts[2].isdigit():
+        return int(parts[1]), int(parts[2])
+    return None
+
+
 def boundary_name(chunk: int) -> str:
     return BOUNDARY if chunk == 0 else f"{BOUNDARY}.{chunk}"
 
@@ -50,10 +64,13 @@ class Plan:
     streamed: bool = False  # sent layer by layer while the prefill ran
     chunk_tokens: int = 0  # the boundary's chunk size (a multiple of EXEC_BLOCK); 0: one chunk
     boundary: str = "bf16"  # the boundary's coding (`handoff.boundary`)
+    pipelined: bool = False  # the prefill ran in the boundary's chunks, each sent as it passed c
 
     def __post_init__(self) -> None:
-        if not isinstance(self.streamed, bool):
-            raise ValueError(f"plan: streamed must be true or false, got {self.streamed!r}")
+        for name in ("streamed", "pipelined"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"plan: {name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
         if type(self.chunk_tokens) is not int or self.chunk_tokens < 0 or (
                 self.chunk_tokens % EXEC_BLOCK):
             raise ValueError(f"plan: chunk_tokens must be a multiple of {EXEC_BLOCK}, got "
@@ -68,13 +85,15 @@ class Plan:
             raise ValueError(f"plan: boundary must be a string, got {self.boundary!r}")
         if not (isinstance(self.expect_ms, (int, float)) and 0 <= self.expect_ms < math.inf):
             raise ValueError(f"plan: expect_ms must be finite and >= 0, got {self.expect_ms!r}")
+        if self.pipelined and not (self.streamed and 0 < self.cut < self.num_layers):
+            raise ValueError("plan: pipelined needs a streamed handoff with an interior cut")
 
     @classmethod
     def of(cls, action: Action, shape: ModelShape, seq_len: int, expect_ms: float = 0.0,
-           streamed: bool = False, chunk_tokens: int = 0) -> Plan:
+           streamed: bool = False, chunk_tokens: int = 0, pipelined: bool = False) -> Plan:
         return cls(action.codec, action.cut, action.num_layers, seq_len, shape.hidden_size,
                    shape.num_kv_heads, shape.head_dim, expect_ms, streamed, chunk_tokens,
-                   action.boundary)
+                   action.boundary, pipelined)
 
     @property
     def boundary_chunks(self) -> list[tuple[int, int]]:
@@ -82,6 +101,12 @@ class Plan:
         if not 0 < self.cut < self.num_layers:
             return []
         return chunk_bounds(self.seq_len, self.chunk_tokens)
+
+    @property
+    def prefix_row_chunks(self) -> list[tuple[int, int]] | None:
+        """Pipelined: the row ranges each prefix layer comes in (the boundary's); else None
+        (each layer whole)."""
+        return self.boundary_chunks if self.pipelined else None
 
     @property
     def action(self) -> Action:
