@@ -252,8 +252,9 @@ def print_paired(points: list[dict], ratios, console) -> None:
     for p in points:
         cells = []
         for _, key in ratios:
-            r = p["paired"][key]
-            cells.append(f"{r['median']:.2f} [{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}]")
+            r = p["paired"].get(key)
+            cells.append("—" if r is None else
+                         f"{r['median']:.2f} [{r['ci95'][0]:.2f}–{r['ci95'][1]:.2f}]")
         table.add_row(str(p["prompt_len"]), p["link"], *cells)
     console.print(table)
 
@@ -327,18 +328,20 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                               *(f"{r['parts_median_ms'][k]:.0f}" for k in "QHXRJ"))
         out.print(table)
     summary = Table(title="Per point, TTFT of each way's best case (ms): (a) baseline, (b) the "
-                          "seed's, (c) streamed, (d) streamed + chunked, (e) local prefill; the "
-                          "planner against the best forced case")
-    for column in ("S", "link", "Gb/s", "(a)", "(b)", "(c)", "(d)", "(e)", "(d)/(e)", "(a)/(d)",
-                   "(b)/(d)", "planner", "ms", "within 10%"):
+                          "seed's, (c) streamed, (d) streamed + chunked, (d') the same pipelined, "
+                          "(e) local prefill; the planner against the best forced case")
+    for column in ("S", "link", "Gb/s", "(a)", "(b)", "(c)", "(d)", "(d')", "(e)", "(d)/(e)",
+                   "(a)/(d)", "(b)/(d)", "(d')/(e)", "(a)/(d')", "(b)/(d')", "planner", "ms",
+                   "within 10%"):
         summary.add_column(column, justify="right")
     for p in results["points"]:
         ways = p["ways"]
         summary.add_row(str(p["prompt_len"]), p["link"], f"{p['link_gbps']:.3g}",
-                        *(f"{ways[w]['median_ms']:.0f}" for w in
-                          ("baseline", "seed", "streamed", "chunked", "local_prefill")),
-                        f"{p['chunked_over_local']:.2f}", f"{p['baseline_over_chunked']:.2f}",
-                        f"{p['seed_over_chunked']:.2f}", p["planner"]["label"],
+                        *(f"{ways[w]['median_ms']:.0f}" if w in ways else "—" for w in
+                          ("baseline", "seed", "streamed", "chunked", "pipelined",
+                           "local_prefill")),
+                        *(f"{p[key]:.2f}" if key in p else "—" for _, key in LINK_PAIRED),
+                        p["planner"]["label"],
                         f"{p['planner']['median_ms']:.1f}",
                         "yes" if p["planner_within_10pct"] else "NO")
     out.print(summary)

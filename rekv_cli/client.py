@@ -25,9 +25,9 @@ class Generation:
 def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
                      forced_action: tuple | None = None,
                      sampling: dict | None = None, stop_at_eos: bool | None = None,
-                     forced_schedule: tuple[bool, int] | None = None):
+                     forced_schedule: tuple | None = None):
     """`forced_action`: (codec, cut) or (codec, cut, boundary coding); `forced_schedule`:
-    (streamed, boundary chunk tokens)."""
+    (streamed, boundary chunk tokens) or (streamed, boundary chunk tokens, pipelined)."""
     request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
     if isinstance(prompt, str):
         request.text = prompt
@@ -42,9 +42,10 @@ def generate_request(request_id: str, prompt: str | Sequence[int], max_new_token
     if stop_at_eos is not None:
         request.stop_at_eos = stop_at_eos
     if forced_schedule is not None:
-        streamed, chunk = forced_schedule
-        request.forced_schedule.CopyFrom(rekv_pb2.Schedule(streamed=streamed,
-                                                           boundary_chunk_tokens=chunk))
+        streamed, chunk, *pipelined = forced_schedule
+        request.forced_schedule.CopyFrom(rekv_pb2.Schedule(
+            streamed=streamed, boundary_chunk_tokens=chunk, pipelined=bool(pipelined)
+            and pipelined[0]))
     return request
 
 
@@ -52,7 +53,7 @@ def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int]
              max_new_tokens: int, forced_action: tuple[str, int] | None = None,
              sampling: dict | None = None, stop_at_eos: bool | None = None,
              timeout: float | None = 300.0,
-             forced_schedule: tuple[bool, int] | None = None) -> Generation:
+             forced_schedule: tuple | None = None) -> Generation:
     stub = rekv_pb2_grpc.DecodeStub(channel)
     request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
                                stop_at_eos, forced_schedule)

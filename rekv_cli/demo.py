@@ -66,11 +66,11 @@ def way_request(way: str, num_layers: int) -> dict:
 
 def code_paths(num_layers: int) -> list[dict]:
     """Forced cases that take every code path the planner may pick under both schedules: full
-    BF16, joint int8 at L/2 (after the prefill and streamed), the streamed BF16 prefix and the
-    decode side's local prefill (token-only)."""
+    BF16, joint int8 at L/2 (after the prefill, streamed in layer order and pipelined), the
+    streamed BF16 prefix and the decode side's local prefill (token-only)."""
     L, seed = num_layers, list(SEED_SCHEDULE)
-    cases = [(["bf16", L], seed), (["int8", L // 2], seed), (["int8", L // 2], None),
-             (["bf16", L], None), (["bf16", 0], None)]
+    cases = [(["bf16", L], seed), (["int8", L // 2], seed), (["int8", L // 2], [True, 256]),
+             (["int8", L // 2], [True, 256, True]), (["bf16", L], None), (["bf16", 0], None)]
     return [{"action": action, "schedule": schedule} for action, schedule in cases]
 
 

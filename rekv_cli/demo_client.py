@@ -25,7 +25,7 @@ def figures(g: Generation) -> dict:
     s, b, t = g.summary, g.summary.bytes, g.summary.timings
     return {"prompt_tokens": s.prompt_tokens, "generated_tokens": s.generated_tokens,
             "action_kind": s.action_kind, "codec": s.action.codec, "cut": s.action.cut,
-            "streamed": s.schedule.streamed,
+            "streamed": s.schedule.streamed, "pipelined": s.schedule.pipelined,
             "boundary_chunk_tokens": s.schedule.boundary_chunk_tokens,
             "bytes": sum((b.boundary, b.prefix, b.scales, b.tokens, b.head)),
             "bytes_by_kind": {"boundary": b.boundary, "prefix": b.prefix, "scales": b.scales,

@@ -88,9 +88,13 @@ def add_plan_parsers(sub) -> None:
     plan.add_argument("--codecs", type=csv_of(str), default=["bf16", "int8", "int4"])
     plan.add_argument("--load", type=int, default=1, help="handoffs in flight on the decode "
                       "worker (scales its suffix cost)")
-    plan.add_argument("--schedule", choices=("streamed", "seed"), default="streamed",
-                      help="streamed: the handoff from inside a prefill that stops at the cut "
-                           "(the services' default); seed: a full prefill, then the handoff")
+    plan.add_argument("--schedule", choices=("auto", "streamed", "pipelined", "seed"),
+                      default="auto",
+                      help="streamed: the handoff from inside a prefill that stops at the cut, "
+                           "each layer as it is computed; pipelined: the prefill in the boundary's "
+                           "token chunks, each chunk sent as it passes the cut; auto (the "
+                           "services' default): streamed, in whichever order predicts less; "
+                           "seed: a full prefill, then the handoff")
     plan.add_argument("--chunk-tokens", type=int, default=256,
                       help="the boundary's chunk size, a multiple of 256; 0: one message "
                            "(default 256)")
@@ -204,8 +208,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.prompt_len, args.load)
     inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps,
                                 profile.layer_cost).cost_inputs(
-        shape, args.prompt_len, costs, streamed=args.schedule == "streamed",
-        chunk_tokens=Schedule(chunk_tokens=args.chunk_tokens).chunk_tokens)
+        shape, args.prompt_len, costs, streamed=args.schedule != "seed",
+        chunk_tokens=Schedule(chunk_tokens=args.chunk_tokens).chunk_tokens,
+        order={"auto": "either", "pipelined": "tokens"}.get(args.schedule, "layers"))
     decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
                                                        link_measured=not args.unmeasured_link)
     if args.json:
@@ -217,14 +222,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   f"{args.schedule} schedule, profile {profile.device}/{profile.dtype} "
                   f"({source}), policy "
                   f"{'none (lossless only)' if policy is None else policy.max_cut}")
-    console.print(f"[bold]chosen: {decision.action} — predicted TTFT "
+    order = " pipelined" if decision.pipelined else ""
+    console.print(f"[bold]chosen: {decision.action}{order} — predicted TTFT "
                   f"{decision.predicted_ms:.1f} ms from the prefill's start "
                   f"({decision.rule.value.replace('_', ' ')})")
     table = Table(title="best candidates (all eligible actions are ranked; --json lists them)")
-    for column in ("action", "codec", "cut", "TTFT ms", "prefill", "H", "X", "R", "MiB"):
+    for column in ("action", "codec", "cut", "order", "TTFT ms", "prefill", "H", "X", "R",
+                   "MiB"):
         table.add_column(column)
     for p, ms in decision.candidates[:12]:
-        table.add_row(p.action.kind.value, p.action.codec, str(p.action.cut), f"{ms:.1f}",
+        table.add_row(p.action.kind.value, p.action.codec, str(p.action.cut),
+                      "tokens" if p.pipelined else "layers", f"{ms:.1f}",
                       f"{p.prefill_ms:.1f}", f"{p.h_ms:.1f}", f"{p.x_ms:.1f}", f"{p.r_ms:.1f}",
                       f"{p.bytes / 2**20:.2f}")
     console.print(table)

@@ -46,6 +46,7 @@ class DecodeOffer:
     handoffs_in_flight: int
     costs: DecodeCosts
     accepts_streamed: bool = True  # it takes a streamed handoff
+    accepts_pipelined: bool = True  # it takes a pipelined one (`Schedule.pipelined`)
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done

@@ -96,6 +96,10 @@ class ServiceSettings:
     # prefill: send each handoff from inside the prefill, which stops at the cut, when the decode
     # worker takes it (else the seed's schedule: a full prefill, then the handoff)
     stream_handoff: bool = True
+    # prefill, streamed: let the planner send an interior cut in token order where it predicts
+    # less (the prefill runs in the boundary's chunks, each sent as it passes the cut, and the
+    # decode worker's layers run on it while the next computes: `Schedule.pipelined`)
+    pipeline_prefill: bool = True
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
     boundary_chunk_tokens: int = 256

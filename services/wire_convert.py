@@ -43,14 +43,17 @@ def action_to_proto(action: Action):
 
 def schedule_from_proto(message, field: str = "forced_schedule") -> Schedule:
     try:
-        return Schedule(streamed=message.streamed, chunk_tokens=message.boundary_chunk_tokens)
+        return Schedule(streamed=message.streamed, chunk_tokens=message.boundary_chunk_tokens,
+                        pipelined=message.pipelined)
     except ValueError as exc:
-        raise InvalidArgument(f"{field}.boundary_{exc}") from None
+        where = "boundary_" if str(exc).startswith("chunk_tokens") else ""
+        raise InvalidArgument(f"{field}.{where}{exc}") from None
 
 
 def schedule_to_proto(schedule: Schedule):
     return rekv_pb2.Schedule(streamed=schedule.streamed,
-                             boundary_chunk_tokens=schedule.chunk_tokens)
+                             boundary_chunk_tokens=schedule.chunk_tokens,
+                             pipelined=schedule.pipelined)
 
 
 def wire_bytes_to_proto(wire: WireBytes):
@@ -135,7 +138,7 @@ def handoff_request(call: HandoffCall):
             suffix_scale=costs.suffix_scale, measured_over_model={kind.value: ratio
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
-            boundary_chunk_tokens=offer.chunk_tokens))
+            accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
     if call.forced_schedule is not None:
@@ -187,7 +190,8 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs,
-                          accepts_streamed=offer.accepts_streamed, chunk_tokens=chunk,
+                          accepts_streamed=offer.accepts_streamed,
+                          accepts_pipelined=offer.accepts_pipelined, chunk_tokens=chunk,
                           computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers)))

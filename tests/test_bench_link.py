@@ -41,10 +41,11 @@ def _check(report, png):
     assert labels[:3] == ["BF16 seed", "int8 only seed", "int8 c=15 seed"]
     assert labels[3:9] == ["BF16 streamed", "int8 only streamed", "tokens streamed",
                            "BF16 c=15 chunked", "int8 c=15 chunked", "int8 c=15 streamed"]
+    assert labels[9:11] == ["BF16 c=15 pipelined", "int8 c=15 pipelined"]
     assert labels[-1].startswith("planner: ")
     forced = [r for r in rows if not r["planner"]]
     wanted = [("bf16", 30), ("int8", 30), ("int8", 15), ("bf16", 30), ("int8", 30), ("bf16", 0),
-              ("bf16", 15), ("int8", 15), ("int8", 15)]
+              ("bf16", 15), ("int8", 15), ("int8", 15), ("bf16", 15), ("int8", 15)]
     assert [(r["codec"], r["cut"]) for r in forced] == wanted  # the services honoured each one
     for r in rows:
         assert len(r["samples_ms"]) == 2 and r["ci95_ms"][0] <= r["median_ms"] <= r["ci95_ms"][1]
@@ -59,8 +60,8 @@ def _check(report, png):
     planner = rows[-1]
     allowed = Planner(shipped_policy("smollm2-135m"))
     assert all(allowed.allowed(Action(codec, cut, 30, boundary), 32)
-               for _, codec, cut, _, _, boundary in planner["picks"])
-    assert all(streamed for _, _, _, streamed, _, _ in planner["picks"])  # the default schedule
+               for _, codec, cut, _, _, boundary, _ in planner["picks"])
+    assert all(streamed for _, _, _, streamed, *_ in planner["picks"])  # the default schedule
     (point,) = report["points"]
     best = min(forced, key=lambda r: r["median_ms"])
     assert point["best"]["label"] == best["label"]
@@ -68,6 +69,9 @@ def _check(report, png):
     assert ways["baseline"]["label"] == "BF16 seed"
     assert ways["local_prefill"]["label"] == "tokens streamed"
     assert ways["chunked"]["median_ms"] == min(r["median_ms"] for r in forced[6:8])
+    assert ways["pipelined"]["median_ms"] == min(r["median_ms"] for r in forced[9:11])
+    assert point["seed_over_pipelined"] == pytest.approx(
+        ways["seed"]["median_ms"] / ways["pipelined"]["median_ms"])
     assert point["baseline_over_chunked"] == pytest.approx(
         rows[0]["median_ms"] / ways["chunked"]["median_ms"])
     paired = point["paired"]["baseline_over_chunked"]  # of the same round's two samples

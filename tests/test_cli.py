@@ -51,7 +51,8 @@ def test_demo_runs_both_services_and_stops_them(tmp_path):
     assert len(prompts) == 2 and prompts[0]["prompt_tokens"] < prompts[1]["prompt_tokens"]
     assert [p["order"] for p in prompts] == [["baseline", "seed", "streamed"],
                                              ["seed", "streamed", "baseline"]]
-    assert len(rows) == 6 and len(report["warmups"]) == 5 + 4  # code paths, then both schedules
+    assert len(rows) == 6 and len(report["warmups"]) == 6 + 4  # code paths, then both schedules
+    assert report["warmups"][3]["pipelined"] and not report["warmups"][2]["pipelined"]
     for p in prompts:
         mine = {r["way"]: r for r in rows if r["prompt_index"] == p["prompt_index"]}
         assert set(mine) == {"baseline", "seed", "streamed"}

@@ -223,3 +223,58 @@ def test_a_prefill_backlog_moves_the_cut_down_and_a_busy_decode_moves_it_up():
     joint = Action("bf16", 15, L)
     waited = predict(joint, _streamed(10.0, gamma=20.0, prefill_wait_ms=600.0))
     assert waited.total_ms >= predict(joint, _streamed(10.0, gamma=20.0)).total_ms + 599
+
+
+def test_a_pipelined_prefill_shares_the_prompt_between_the_two_workers():
+    """Token order on a free link with free codecs: the prefill's c layers and the decode side's
+    L − c run on different chunks at once, so with n chunks and equal halves the critical path is
+    (n + 1) chunk-halves, (n + 1)/(2n) of the layer order's L·γ."""
+    free = dataclasses.replace(_streamed(1e6, chunk=256), quantize_ms_per_mib={},
+                               restore_ms_per_mib={}, order="tokens")
+    action = Action("bf16", L // 2, L)
+    tokens = predict(action, free)
+    layers = predict(action, dataclasses.replace(free, order="layers"))
+    assert tokens.pipelined and not layers.pipelined
+    n = 2048 // 256
+    half_chunk = (L // 2) * 2.0 / n
+    assert tokens.total_ms == pytest.approx((n + 1) * half_chunk + 1.0, rel=1e-3)
+    assert layers.total_ms == pytest.approx(L * 2.0 + 1.0, rel=0.02)
+    assert tokens.prefill_ms == layers.prefill_ms and tokens.r_ms == layers.r_ms
+
+
+def test_the_order_goes_to_the_lesser_prediction_where_it_applies():
+    for gbps in (0.05, 0.4, 10.0):
+        either = _streamed(gbps, chunk=256, order="either")
+        for action in [Action("int8", c, L) for c in (1, 10, 20, 29)] + [Action("bf16", 15, L)]:
+            best = predict(action, either)
+            tokens = predict(action, dataclasses.replace(either, order="tokens"))
+            layers = predict(action, dataclasses.replace(either, order="layers"))
+            assert best.total_ms == min(tokens.total_ms, layers.total_ms)
+            assert best.pipelined == (tokens.total_ms < layers.total_ms)
+    tokens = _streamed(10.0, chunk=256, order="tokens")
+    for action in (Action.token_only(L), Action("int8", L, L), Action("spectrum30", 10, L)):
+        assert not predict(action, tokens).pipelined  # not pipelinable: layer order
+    assert not predict(Action("int8", 10, L), _streamed(10.0, chunk=0, order="tokens")).pipelined
+    with pytest.raises(ValueError, match="order"):
+        _streamed(1.0, order="sideways")
+
+
+def test_a_slow_link_keeps_the_pipelined_prefix_on_the_critical_path():
+    """Token order sends every prefix row after its chunk's boundary rows: on a link slower
+    than the compute the prefix ends last, as it does in layer order."""
+    tokens = predict(Action("bf16", 10, L), _streamed(0.05, chunk=256, order="tokens"))
+    prefix_ms = wire_bytes(Action("bf16", 10, L), SHAPE, 2048).total / (0.05e9 / 8 / 1e3)
+    assert tokens.total_ms >= prefix_ms
+
+
+def test_the_planner_says_when_it_pipelines():
+    from rekv_core.plan.planner import Planner
+
+    fast = _streamed(10.0, chunk=256, order="either")
+    decision = Planner().decide(fast, ["bf16", "int8"])
+    assert decision.pipelined and 0 < decision.action.cut < L
+    assert decision.as_dict()["chosen"]["pipelined"] is True
+    forced = Planner().decide(fast, ["bf16"], forced=Action("bf16", L, L))
+    assert not forced.pipelined
+    layers = Planner().decide(dataclasses.replace(fast, order="layers"), ["bf16", "int8"])
+    assert not layers.pipelined

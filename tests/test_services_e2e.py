@@ -93,6 +93,25 @@ def test_lossless_actions_reproduce_the_reference(services, reference, forced):
         assert result.messages == len(result.token_ids) + 1  # one per token, then the summary
 
 
+def test_a_pipelined_handoff_reproduces_the_reference(services, reference, tokenizer):
+    """The prefill in token chunks, each chunk's boundary and prefix rows sent as it passes the
+    cut: the same tokens as the single-process reference, over two chunks."""
+    prompt = PROMPTS[2] * 3
+    assert 256 < len(tokenizer.encode(prompt)) <= MAX_PROMPT
+    for forced in (("bf16", 15), ("bf16", 3)):
+        result = _run(services, f"pipelined-{forced[1]}", prompt, 16, forced,
+                      forced_schedule=(True, 256, True))
+        s = result.summary
+        assert s.schedule.pipelined and s.schedule.streamed and not s.fallback
+        assert (s.action.codec, s.action.cut) == forced
+        assert result.token_ids == reference(prompt, 16)
+    with pytest.raises(grpc.RpcError) as error:  # token order needs the boundary in chunks
+        _run(services, "pipelined-whole", prompt, 4, ("bf16", 15),
+             forced_schedule=(True, 0, True))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forced_schedule.pipelined" in error.value.details()
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 

@@ -66,7 +66,8 @@ def _request(channel, args, ids: list[int], number: int, run: int, case: dict, r
     result["samples_ms"].append(s.ttft_ms)
     result["handoff_ms"].append(s.measured_handoff_ms)
     result["used"].append([s.action_kind, s.action.codec, s.action.cut, s.schedule.streamed,
-                           s.schedule.boundary_chunk_tokens, s.action.boundary or "bf16"])
+                           s.schedule.boundary_chunk_tokens, s.action.boundary or "bf16",
+                           s.schedule.pipelined])
     result["predicted_ms"].append(s.predicted_handoff_ms)
     t = s.timings
     result["parts_ms"].append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms, "J": t.j_ms})

@@ -4,9 +4,10 @@ per point, and the Fig. 2-style plot.
 Every time is TTFT from Generate's arrival on the decode worker to its first token. A point's
 summary compares, each by its best case: (a) the baseline (full prefill, then every layer's BF16
 KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) the streamed schedule
-with the boundary in one message, (d) streamed with the boundary in chunks, (e) the decode side's
-own prefill (token-only, streamed: the prefill service computes nothing; the colocated bound plus
-one RPC), also as the median ratio of the samples of the same round (`paired`: the client runs
+with the boundary in one message, (d) streamed with the boundary in chunks (layer order), (d')
+the same pipelined (token order: the prefill runs in the boundary's chunks, each sent as it
+passes the cut), (e) the decode side's own prefill (token-only, streamed: the prefill service
+computes nothing; the colocated bound plus one RPC), also as the median ratio of the samples of the same round (`paired`: the client runs
 every case once per round); and the planner against the best forced case, joint int8 against full
 BF16 and against the best single mechanism; with newer codecs in the sweep, how each moved the
 best forced case (`codec_gains`).
@@ -27,7 +28,9 @@ from rekv_core.model.shapes import ModelShape
 SINGLE_MECHANISMS = ("bf16_transfer", "quant_transfer", "bf16_recompute", "token_recompute")
 INTERIOR = ("joint", "bf16_recompute")  # kinds with a boundary
 LINK_PAIRED = (("(d)/(e)", "chunked_over_local"), ("(a)/(d)", "baseline_over_chunked"),
-               ("(b)/(d)", "seed_over_chunked"))  # the ratios a point gives both ways
+               ("(b)/(d)", "seed_over_chunked"), ("(d')/(e)", "pipelined_over_local"),
+               ("(a)/(d')", "baseline_over_pipelined"), ("(b)/(d')", "seed_over_pipelined")
+               )  # the ratios a point gives both ways
 
 
 def _label(kind: str, codec: str, cut: int) -> str:
@@ -38,18 +41,20 @@ def _label(kind: str, codec: str, cut: int) -> str:
             "token_recompute": "tokens"}.get(kind, interior)
 
 
-def schedule_class(streamed: bool, chunk_tokens: int) -> str:
+def schedule_class(streamed: bool, chunk_tokens: int, pipelined: bool = False) -> str:
     if not streamed:
         return "seed"
+    if pipelined:
+        return "pipelined"
     return "chunked" if chunk_tokens else "streamed"
 
 
 def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) -> dict:
     """One action at one point, from the client's results for it."""
     median, (low, high) = median_ci(result["samples_ms"])
-    kind, codec, cut, streamed, chunk, boundary = result["used"][-1]
+    kind, codec, cut, streamed, chunk, boundary, *order = result["used"][-1]
     planner = result["forced"] is None
-    schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0)
+    schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0, bool(order and order[0]))
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
             "schedule": schedule, "chunk_tokens": chunk,
@@ -83,29 +88,32 @@ def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balance
 
     def best_of(schedule: str) -> dict:
         """The seed's: any action; streamed: transfer-only, or an interior cut with the boundary
-        in one message; chunked: an interior cut with the boundary in chunks."""
+        in one message; chunked: an interior cut with the boundary in chunks, in layer order;
+        pipelined: the same in token order. None: no such case."""
         def member(r: dict) -> bool:
             return r["schedule"] == schedule and r["action"] != "token_recompute"
-        return min(filter(member, forced), key=lambda r: r["median_ms"])
+        return min(filter(member, forced), key=lambda r: r["median_ms"], default=None)
 
     way_rows = {"baseline": bf16, "seed": best_of("seed"), "streamed": best_of("streamed"),
-                "chunked": best_of("chunked"),
+                "chunked": best_of("chunked"), "pipelined": best_of("pipelined"),
                 "local_prefill": next(r for r in forced if r["action"] == "token_recompute")}
+    way_rows = {way: r for way, r in way_rows.items() if r is not None}
     ways = {way: brief(r) for way, r in way_rows.items()}
-
-    def paired(numerator: str, denominator: str) -> dict:
-        ratio, (low, high) = paired_ratio(way_rows[numerator]["samples_ms"],
-                                          way_rows[denominator]["samples_ms"])
-        return {"median": ratio, "ci95": [low, high]}
+    ratios, pairs = {}, {}
+    for way in ("chunked", "pipelined"):
+        if way not in way_rows:
+            continue
+        for numerator, denominator, key in (
+                (way, "local_prefill", f"{way}_over_local"),
+                ("baseline", way, f"baseline_over_{way}"), ("seed", way, f"seed_over_{way}")):
+            ratios[key] = ways[numerator]["median_ms"] / ways[denominator]["median_ms"]
+            ratio, (low, high) = paired_ratio(way_rows[numerator]["samples_ms"],
+                                              way_rows[denominator]["samples_ms"])
+            pairs[key] = {"median": ratio, "ci95": [low, high]}
 
     within = planner["median_ms"] <= 1.1 * best["median_ms"]
     return {"prompt_len": S, "link": rate.label, "link_gbps": gbps, "ways": ways,
-            "paired": {"chunked_over_local": paired("chunked", "local_prefill"),
-                       "baseline_over_chunked": paired("baseline", "chunked"),
-                       "seed_over_chunked": paired("seed", "chunked")},
-            "chunked_over_local": ways["chunked"]["median_ms"] / ways["local_prefill"]["median_ms"],
-            "baseline_over_chunked": bf16["median_ms"] / ways["chunked"]["median_ms"],
-            "seed_over_chunked": ways["seed"]["median_ms"] / ways["chunked"]["median_ms"],
+            "paired": pairs, **ratios,
             "bf16_over_balanced": gbps / balanced, "best": brief(best),
             "best_single": brief(best_single), "planner": brief(planner),
             "planner_within_10pct": within,

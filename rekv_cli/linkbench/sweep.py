@@ -14,7 +14,8 @@ as many runs of each forced action as rounds have passed). Cases
 then the handoff) for int8 transfer-only and joint int8 at each cut of the sweep, the streamed
 schedule (the handoff from inside a prefill that stops at the cut) for full BF16, int8
 transfer-only, token-only, BF16 recompute and joint int8 at each cut with the boundary in chunks,
-joint int8 with it in one message, then the planner's own choice (no forced action or schedule).
+joint int8 with it in one message, BF16 recompute and joint int8 at each cut pipelined (the prefill
+in the boundary's token chunks), then the planner's own choice (no forced action or schedule).
 Where the machine has two cores or more, each service is pinned to its own half of them
 (`taskset`), with as many torch threads as cores, and the balanced rate is measured under the same
 pinning: two nodes do not share cores, and without the pinning the decode side's recompute and the
@@ -152,7 +153,8 @@ def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256
                    codecs: Sequence[str] = ()) -> list[dict]:
     """The cases of a point: the baseline (full prefill, then every layer's BF16 KV); the seed's
     schedule at each joint int8 cut and int8 transfer-only; the streamed schedule (the services'
-    default) for every action, the interior cuts also with the boundary in one message; token-only
+    default, in layer order) for every action, the interior cuts also with the boundary in one
+    message, and BF16 and int8 at each interior cut pipelined (token order); token-only
     (which the streamed schedule serves without any prefill: the decode side's local prefill, the
     colocated bound plus one RPC); each of `codecs` streamed at every cut, and with `splitzip`
     among them int8 at every interior cut with a SplitZip boundary; then the planner's choice
@@ -166,6 +168,8 @@ def forced_actions(num_layers: int, cuts: Sequence[int], chunk_tokens: int = 256
     for codec in ("bf16", "int8"):
         cases += [{"action": [codec, c], "schedule": streamed} for c in cuts]
     cases += [{"action": ["int8", c], "schedule": whole} for c in cuts]
+    for codec in ("bf16", "int8"):
+        cases += [{"action": [codec, c], "schedule": [True, chunk_tokens, True]} for c in cuts]
     for codec in codecs:
         cases += [{"action": [codec, c], "schedule": streamed} for c in [*cuts, L]]
     if "splitzip" in codecs:

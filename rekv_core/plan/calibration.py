@@ -220,7 +220,8 @@ class PrefillCalibration:
         return self.layer_cost.at(prompt_len) * scale.value
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
-                    streamed: bool = False, chunk_tokens: int = 0, prefill_queue: int = 0,
+                    streamed: bool = False, chunk_tokens: int = 0, order: str = "layers",
+                    prefill_queue: int = 0,
                     decode_queue: int = 0, prefill_wait_ms: float = 0.0,
                     decode_wait_ms: float = 0.0) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
@@ -228,7 +229,7 @@ class PrefillCalibration:
                           costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
                           prefill_ms_per_layer=self.prefill_ms_per_layer(
                               prompt_len, streamed, costs.suffix_scale),
-                          streamed=streamed, chunk_tokens=chunk_tokens,
+                          streamed=streamed, chunk_tokens=chunk_tokens, order=order,
                           prefill_queue=prefill_queue, decode_queue=decode_queue,
                           prefill_wait_ms=prefill_wait_ms, decode_wait_ms=decode_wait_ms)
 

@@ -39,6 +39,17 @@ and its wire time w = B_layer/W + m,
   layer then starts the decode side's link sample and the chunk, queued behind it, completes
   it, where a chunk sent first has nothing before it to time from.)
 
+Pipelined (`order` "tokens", or "either" where it predicts less; an interior cut, a codec that ranks
+no tokens): the prefill runs layers [0, c) one boundary chunk at a time, and each chunk's boundary
+rows, then its c prefix rows, leave as soon as it has passed the cut. With n_k the chunk's rows and
+shares f_k = n_k/S: the chunk is computed, and then encoded, on the prefill's one thread,
+P_k = P_{k−1} + f_k·c·(γ_p + α_b) (from P_w); its boundary rows are in at
+A_k = max(P_k − f_k·c·α_b, link free) + n_k·(B_H/S/W + coding per row) + m, and its prefix rows
+leave after them: link free = max(A_k, P_k) + f_k·B_prefix/W + c·m. Its share of R starts at
+max(A_k, the previous chunk's end) (the first no earlier than D_w):
+T = lat + max(suffix end, link free + f_last·restore_b(c layers)) + J. The decode side's layers run
+on a chunk while the prefill computes the next, so two workers share one prompt's compute.
+
 The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
 pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in
 turn, and in a busy pipeline each of them waits for the longer of this request's two stages, not
@@ -54,13 +65,18 @@ predictions sorted by predicted time; the first is the choice.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from rekv_core.codecs import get_codec
 from rekv_core.handoff.action import Action, layer_wire_bytes, wire_bytes
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, MiB
+
+
+ORDERS = ("layers", "tokens", "either")
 
 
 @dataclass(frozen=True)
@@ -78,6 +94,9 @@ class CostInputs:
     prefill_ms_per_layer: float = 0.0  # γ_p at this prompt length, now; 0: not counted
     streamed: bool = False  # sent from inside the prefill, which stops at the cut
     chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
+    # streamed: "layers" (each prefix layer whole as computed), "tokens" (pipelined, where it
+    # applies) or "either" (whichever predicts less)
+    order: str = "layers"
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
     prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
     decode_queue: int = 0  # other requests computing on the decode worker now
@@ -90,6 +109,8 @@ class CostInputs:
             raise ValueError(f"prompt_len: must be positive, got {self.prompt_len}")
         if self.suffix_ms_per_layer < 0:
             raise ValueError(f"suffix_ms_per_layer: must be >= 0, got {self.suffix_ms_per_layer}")
+        if self.order not in ORDERS:
+            raise ValueError(f"order: must be one of {', '.join(ORDERS)}, got {self.order!r}")
 
 
 @dataclass(frozen=True)
@@ -103,21 +124,35 @@ class Prediction:
     bytes: int
     prefill_ms: float = 0.0  # the prefill's compute for this action
     load_ms: float = 0.0  # the wait it puts on the other queued requests (see the module doc)
+    pipelined: bool = False  # predicted in token order
 
     def as_dict(self) -> dict:
         return {"action": self.action.kind.value, "codec": self.action.codec,
                 "cut": self.action.cut, "predicted_ms": self.total_ms, "h_ms": self.h_ms,
                 "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes,
-                "prefill_ms": self.prefill_ms, "load_ms": self.load_ms}
+                "prefill_ms": self.prefill_ms, "load_ms": self.load_ms,
+                "pipelined": self.pipelined}
 
 
 def predict(action: Action, inputs: CostInputs) -> Prediction:
     """T of `action` under `inputs`' schedule, with its load term."""
-    p = _predict_streamed(action, inputs) if inputs.streamed else _predict_after_prefill(
-        action, inputs)
+    if not inputs.streamed:
+        p = _predict_after_prefill(action, inputs)
+    else:
+        p = _predict_streamed(action, inputs)
+        if inputs.order != "layers" and pipelinable(action, inputs):
+            tokens = _predict_pipelined(action, inputs)
+            if inputs.order == "tokens" or tokens.total_ms < p.total_ms:
+                p = tokens
     load = (inputs.prefill_queue + inputs.decode_queue) * max(p.prefill_ms, p.r_ms)
-    return Prediction(p.action, p.total_ms, p.h_ms, p.x_ms, p.r_ms, p.j_ms, p.bytes,
-                      p.prefill_ms, load)
+    return dataclasses.replace(p, load_ms=load)
+
+
+def pipelinable(action: Action, inputs: CostInputs) -> bool:
+    """Whether `action` can go in token order under `inputs`' schedule."""
+    return (inputs.streamed and inputs.chunk_tokens > 0
+            and 0 < action.cut < inputs.shape.num_layers
+            and get_codec(action.codec).importance_window == 0)
 
 
 def _alpha_ms(action: Action, inputs: CostInputs) -> tuple[float, float]:
@@ -170,6 +205,34 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     end = max(suffix_end, prefix_end + restore)
     return Prediction(action, lat + end + join, lat + first,
                       max(0.0, prefix_end + restore - first), r, join, wire.total, prefill)
+
+
+def _predict_pipelined(action: Action, inputs: CostInputs) -> Prediction:
+    shape, S = inputs.shape, inputs.prompt_len
+    L, c = shape.num_layers, action.cut
+    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
+    wire = wire_bytes(action, shape, S)
+    m, lat, join = inputs.message_ms, inputs.link_latency_ms, inputs.join_ms
+    alpha, restore = _alpha_ms(action, inputs)
+    gamma_p, r = inputs.prefill_ms_per_layer, (L - c) * inputs.suffix_ms_per_layer
+    row_ms = wire.boundary / S / per_ms + (
+        _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB)
+    prefix_ms = (wire.prefix + wire.scales) / per_ms  # all c layers' rows, all chunks
+    encoded = inputs.prefill_wait_ms
+    link_free, first, share = 0.0, None, 0.0
+    suffix_end = max(0.0, inputs.decode_wait_ms - lat)  # this branch adds lat at the end
+    for s0, s1 in chunk_bounds(S, inputs.chunk_tokens):
+        share = (s1 - s0) / S
+        computed = encoded + share * c * gamma_p
+        encoded = computed + share * c * alpha
+        arrived = max(computed, link_free) + (s1 - s0) * row_ms + m
+        first = arrived if first is None else first
+        link_free = max(arrived, encoded) + share * prefix_ms + c * m
+        suffix_end = max(arrived, suffix_end) + share * r
+    prefix_end = link_free + share * c * restore
+    end = max(suffix_end, prefix_end)
+    return Prediction(action, lat + end + join, lat + first, max(0.0, prefix_end - first), r,
+                      join, wire.total, c * gamma_p, pipelined=True)
 
 
 def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:

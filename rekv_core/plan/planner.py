@@ -94,10 +94,12 @@ class Decision:
     inputs: CostInputs  # what the decision was made from
     forced: bool = False
     rule: Rule = Rule.BEST
+    pipelined: bool = False  # the action is to go in token order (`cost`'s "either" chose it)
 
     def as_dict(self) -> dict:
         return {"chosen": {"action": self.action.kind.value, "codec": self.action.codec,
-                           "cut": self.action.cut, "predicted_ms": self.predicted_ms},
+                           "cut": self.action.cut, "predicted_ms": self.predicted_ms,
+                           "pipelined": self.pipelined},
                 "rule": self.rule.value,
                 "candidates": [{**p.as_dict(), "model_ms": p.total_ms, "predicted_ms": ms}
                                for p, ms in self.candidates]}
@@ -142,7 +144,8 @@ class Planner:
         if forced is not None:
             prediction = predict(forced, inputs)
             return Decision(forced, expected_ms(prediction, inputs, evidence),
-                            prediction.total_ms, ranked, inputs, forced=True, rule=Rule.FORCED)
+                            prediction.total_ms, ranked, inputs, forced=True, rule=Rule.FORCED,
+                            pipelined=prediction.pipelined)
         if link_measured:
             chosen, rule = self._best(ranked, evidence, length_bucket(inputs.prompt_len))
         else:
@@ -150,7 +153,7 @@ class Planner:
             with self._lock:
                 self._last[length_bucket(inputs.prompt_len)] = chosen.prediction.action
         return Decision(chosen.prediction.action, chosen.expected_ms, chosen.prediction.total_ms,
-                        ranked, inputs, rule=rule)
+                        ranked, inputs, rule=rule, pipelined=chosen.prediction.pipelined)
 
     def _best(self, ranked: list[Ranked], evidence: Evidence, key: int) -> tuple[Ranked, Rule]:
         known = _usable(evidence.measured)

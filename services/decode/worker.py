@@ -135,7 +135,7 @@ class DecodeWorker(Worker):
                            address=self.receiver.address, codecs=tuple(self.settings.codecs),
                            queue_depth=queue, handoffs_in_flight=in_flight,
                            costs=self.calibration.offer(prompt_len, self.sharers()),
-                           accepts_streamed=True,
+                           accepts_streamed=True, accepts_pipelined=True,
                            chunk_tokens=self.settings.boundary_chunk_tokens,
                            computing=self.computing(), backlog_ms=backlog_ms,
                            planned=planned)

@@ -7,13 +7,15 @@ A `Handoff` call's life cycle:
 1. read the call and check it against this worker's limits and model (INVALID_ARGUMENT naming the
    field);
 2. decide the action: the planner's choice from the decode side's offer and this worker's own
-   costs, or the forced action, which the planner evaluates the same way;
+   costs, or the forced action, which the planner evaluates the same way; and, for a default
+   streamed schedule, its order (layer by layer, or pipelined in token chunks);
 3. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
    prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes), then
    prefill the prompt (one prefill at a time, the wait for it bounded by the call's deadline):
    streamed, only up to the cut;
 4. send the plan, the prefix layers and the boundary to the offer's data-plane address under the
-   call's transfer id (streamed: each layer as soon as it is computed), and wait until every
+   call's transfer id (streamed: each layer as soon as it is computed; pipelined: each token
+   chunk's boundary rows and prefix rows as soon as it has passed the cut), and wait until every
    byte has left, all within the call's deadline
    (`Transfer`); a cancelled call (its decode peer gave up or vanished) stops the sending before
    its next message and frees its buffers;
@@ -66,6 +68,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                                     worker.settings.handoff_timeout_s, worker.transfers)
                 schedule = worker.schedule(call)
                 decision = worker.decide(call, schedule, self.active - 1)  # 2
+                schedule = worker.ordered(schedule, decision)
                 sent = await _until_done(asyncio.to_thread(
                     worker.handoff, call, decision, schedule, transfer), transfer)  # 3, 4
         except BaseException as exc:

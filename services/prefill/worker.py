@@ -3,9 +3,12 @@
 `check(call)` applies this worker's limits to a call; `schedule(call)` says how its handoff is sent
 (streamed from inside the prefill when the decode worker takes it and `stream_handoff` is set, with
 the boundary chunk size the decode worker asks for; or the call's forced schedule);
-`decide(call, schedule, queue)` asks the planner (forced actions too, which the planner evaluates);
+`decide(call, schedule, queue)` asks the planner (forced actions too, which the planner evaluates),
+which also picks the order of a default streamed schedule (`pipeline_prefill`, where the decode
+worker takes it), and `ordered(schedule, decision)` is the schedule the handoff then goes by;
 `handoff(call, decision, schedule, transfer)` prefills the prompt, one at a time (one model, one
-device), streamed: layer by layer up to the cut, each sent as it is computed, the compute released
+device), streamed: layer by layer up to the cut, each sent as it is computed (pipelined: token
+chunk by token chunk up to the cut, each sent as it passes the cut), the compute released
 once the cut is reached (token-only does not wait for it); else every layer, then the handoff; and
 returns when every byte has left, within the transfer's deadline. `backlog` is the predicted
 compute queued here, which the planner takes as a new request's wait for the prefill. Sends to
@@ -15,13 +18,14 @@ one decode address share one sender (one UCX endpoint), replaced once its peer i
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
 
 from rekv_core.handoff import Schedule, SenderReport, send_handoff
 from rekv_core.handoff.probe import send_probe
-from rekv_core.handoff.source import LivePrefill
+from rekv_core.handoff.source import ChunkedPrefill, LivePrefill
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.plan.calibration import PrefillCalibration
@@ -90,6 +94,9 @@ class PrefillWorker(Worker):
             if call.forced_schedule.streamed and not offer.accepts_streamed:
                 raise InvalidArgument("forced_schedule.streamed: the decode worker does not "
                                       "take a streamed handoff")
+            if call.forced_schedule.pipelined and not offer.accepts_pipelined:
+                raise InvalidArgument("forced_schedule.pipelined: the decode worker does not "
+                                      "take a pipelined handoff")
             return call.forced_schedule
         return Schedule(self.settings.stream_handoff and offer.accepts_streamed,
                         offer.chunk_tokens)
@@ -104,7 +111,7 @@ class PrefillWorker(Worker):
         unseen = self.assigned.unseen(call.offer.address, call.offer.planned)
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
-            prefill_queue=queue, decode_queue=call.offer.computing,
+            self._order(call, schedule), prefill_queue=queue, decode_queue=call.offer.computing,
             prefill_wait_ms=self.backlog.ms, decode_wait_ms=call.offer.backlog_ms + unseen)
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
@@ -114,6 +121,19 @@ class PrefillWorker(Worker):
                           * costs.suffix_ms_per_layer)
         self.metrics.link.set(inputs.link_gbps)
         return decision
+
+    def _order(self, call: HandoffCall, schedule: Schedule) -> str:
+        """`cost.CostInputs.order`: a forced schedule's own; the planner's pick where allowed."""
+        if call.forced_schedule is not None:
+            return "tokens" if schedule.pipelined else "layers"
+        free = (self.settings.pipeline_prefill and call.offer.accepts_pipelined
+                and schedule.streamed and schedule.chunk_tokens > 0)
+        return "either" if free else "layers"
+
+    @staticmethod
+    def ordered(schedule: Schedule, decision: Decision) -> Schedule:
+        """The schedule the decided handoff goes by: in token order where the decision says."""
+        return dataclasses.replace(schedule, pipelined=decision.pipelined)
 
     def handoff_ended(self, call: HandoffCall) -> None:
         self.assigned.ended(call.transfer_id)
@@ -172,7 +192,10 @@ class PrefillWorker(Worker):
             started = time.perf_counter()
             codec = self.policy.codec(action.codec) if action.cut else None
             window = codec.importance_window if codec else 0
-            if schedule.streamed:
+            if schedule.pipelined:
+                source = ChunkedPrefill(self.model, call.token_ids, action.cut,
+                                        schedule.chunk_tokens, on_done=release)
+            elif schedule.streamed:
                 source = LivePrefill(self.model, call.token_ids, action.cut, on_done=release,
                                      importance_window=window)
             else:

@@ -27,12 +27,14 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
 
 class Schedule(_message.Message):
-    __slots__ = ("streamed", "boundary_chunk_tokens")
+    __slots__ = ("streamed", "boundary_chunk_tokens", "pipelined")
     STREAMED_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     streamed: bool
     boundary_chunk_tokens: int
-    def __init__(self, streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -179,7 +181,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, connected_now: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., probe_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale", "accepts_pipelined")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -213,6 +215,7 @@ class DecodeOffer(_message.Message):
     BACKLOG_MS_FIELD_NUMBER: _ClassVar[int]
     PLANNED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_SCALE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_PIPELINED_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -232,7 +235,8 @@ class DecodeOffer(_message.Message):
     backlog_ms: float
     planned_transfers: _containers.RepeatedScalarFieldContainer[str]
     suffix_scale: float
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ...) -> None: ...
+    accepts_pipelined: bool
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action")
