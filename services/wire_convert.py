@@ -121,10 +121,13 @@ def summary_response(done: Completion):
 
 def handoff_request(call: HandoffCall):
     offer, costs = call.offer, call.offer.costs
+    evidence = costs.evidence
     measured = [rekv_pb2.MeasuredHandoffs(action=action_to_proto(action),
                                           median_ms=m.median_ms, median_prompt_len=m.prompt_len,
-                                          count=m.count)
-                for action, m in costs.evidence.measured.items()]
+                                          count=m.count, pipelined=pipelined)
+                for pipelined, by_action in ((False, evidence.measured),
+                                             (True, evidence.measured_pipelined))
+                for action, m in by_action.items()]
     request = rekv_pb2.HandoffRequest(
         request_id=call.request_id, transfer_id=call.transfer_id, token_ids=call.token_ids,
         offer=rekv_pb2.DecodeOffer(
@@ -265,7 +268,7 @@ def _evidence(offer, num_layers: int) -> Evidence:
             over_model[kinds[kind]] = ratio
         else:
             log.warning("offer.measured_over_model: %r: %r left out", kind, ratio)
-    measured = {}
+    measured, pipelined = {}, {}
     for m in offer.measured:
         try:
             action = action_from_proto(m.action, num_layers, "offer.measured.action")
@@ -276,8 +279,9 @@ def _evidence(offer, num_layers: int) -> Evidence:
             log.warning("offer.measured: %s with median %r ms over %d left out", action,
                         m.median_ms, m.count)
             continue
-        measured[action] = Measured(m.median_ms, m.median_prompt_len, m.count)
-    return Evidence(over_model, measured)
+        (pipelined if m.pipelined else measured)[action] = Measured(
+            m.median_ms, m.median_prompt_len, m.count)
+    return Evidence(over_model, measured, pipelined)
 
 
 def handoff_response(reply: HandoffReply):

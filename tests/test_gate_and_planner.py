@@ -1,6 +1,7 @@
 """Teacher-forced scoring (`extend`), the quality gate on real weights at a small size, the policy
 file and the planner's use of it."""
 
+import dataclasses
 import json
 
 import pytest
@@ -9,9 +10,9 @@ import torch
 from rekv_core.handoff import Action, ActionKind
 from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
-from rekv_core.plan import CostInputs
+from rekv_core.plan import CostInputs, predict
 from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
-from rekv_core.plan.planner import Evidence, Planner
+from rekv_core.plan.planner import Evidence, Planner, expected_ms
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.recent import Measured, RecentHandoffs
 
@@ -353,3 +354,24 @@ def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
     assert older.merged(Policy("smollm2-135m", (1, 2048), {"spectrum50": 24},
                                meta={**failed.meta, **needles})).max_cut["spectrum50"] == 24
     assert deployed_codec("int8", failed.meta).name == "int8"
+
+
+def test_measurements_count_only_for_the_order_they_were_sent_in():
+    """The same action pipelined and in layer order takes two different times: each order's
+    recent handoffs speak for its own predictions only, and the first of each is the cold one."""
+    recent = RecentHandoffs()
+    action = Action("int8", 15, 30)
+    for ms in (900.0, 400.0, 410.0, 420.0):  # the first, cold, is left out
+        recent.observe(action, 512, 500.0, ms, 1.0, pipelined=True)
+    for ms in (900.0, 600.0, 610.0, 620.0):
+        recent.observe(action, 512, 500.0, ms, 1.0)
+    assert recent.measured(512, 1.0, pipelined=True)[action] == Measured(410.0, 512, 3)
+    assert recent.measured(512, 1.0)[action] == Measured(610.0, 512, 3)
+    evidence = Evidence(measured=recent.measured(512, 1.0),
+                        measured_pipelined=recent.measured(512, 1.0, pipelined=True))
+    inputs = CostInputs(get_preset("smollm2-135m"), 512, 1.0, 2.0, {"int8": 0.5},
+                        prefill_ms_per_layer=2.0, streamed=True, chunk_tokens=256)
+    for order, own in (("tokens", 410.0), ("layers", 610.0)):
+        prediction = predict(action, dataclasses.replace(inputs, order=order))
+        assert expected_ms(prediction, dataclasses.replace(inputs, order=order),
+                           evidence) == pytest.approx(own)

@@ -3,7 +3,7 @@ what a peer sends is checked field by field."""
 
 import pytest
 
-from rekv_core.handoff import Action, ActionKind
+from rekv_core.handoff import Action, ActionKind, Schedule
 from rekv_core.plan.calibration import DecodeCosts
 from rekv_core.plan.planner import Evidence
 from rekv_core.plan.recent import Measured
@@ -18,7 +18,8 @@ L = 30
 def _call(**offer_changes) -> HandoffCall:
     evidence = Evidence({ActionKind.JOINT: 1.2},
                         {Action("int8", 21, L): Measured(95.0, 1000, 4),
-                         Action.full_bf16(L): Measured(140.0, 1024, 3)})
+                         Action.full_bf16(L): Measured(140.0, 1024, 3)},
+                        {Action("int8", 21, L): Measured(70.0, 1000, 3)})  # pipelined
     costs = DecodeCosts(suffix_ms_per_layer=3.5, restore_ms_per_mib={"int8": 0.2},
                         join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence,
                         suffix_scale=1.3)
@@ -27,7 +28,7 @@ def _call(**offer_changes) -> HandoffCall:
                  computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}))
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
-                       bytes(range(32)))
+                       bytes(range(32)), forced_schedule=Schedule(True, 256, pipelined=True))
 
 
 def test_a_handoff_call_survives_the_wire():

@@ -73,6 +73,7 @@ class HandoffResult:
     bytes: WireBytes = field(default_factory=WireBytes)
     link_sample: tuple[int, float] | None = None  # (bytes, seconds)
     streamed: bool = False  # the plan's: sent from inside the prefill
+    pipelined: bool = False  # the plan's: in token order
 
 
 def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
@@ -130,7 +131,7 @@ def _receive(model: Model, inbound: Inbound, schedule: str, extra_capacity: int,
         result = _recompute_prompt(model, inbound, plan.action, S, cache, start)
     else:
         result = _restore_and_recompute(model, inbound, schedule, plan, cache, start)
-    result.streamed = plan.streamed
+    result.streamed, result.pipelined = plan.streamed, plan.pipelined
     return result
 
 

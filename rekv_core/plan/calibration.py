@@ -77,6 +77,7 @@ class HandoffObservation:
     prefill_s: float  # the prefill worker's compute, from its response
     modelled_ms: float  # the cost model's prediction of this action, from the prefill worker
     streamed: bool = False  # sent from inside the prefill (its prefix came before the boundary)
+    pipelined: bool = False  # ... in token order
 
     @property
     def handoff_s(self) -> float:
@@ -131,7 +132,8 @@ class DecodeCalibration:
             restore_ms_per_mib=dict(self.restore_ms_per_mib), join_ms=self.join_ms.value,
             message_ms=self.message_ms.value, link_gbps=link if self.link.samples else 0.0,
             evidence=Evidence(self.recent.corrections(link),
-                              self.recent.measured(prompt_len, link)),
+                              self.recent.measured(prompt_len, link),
+                              self.recent.measured(prompt_len, link, pipelined=True)),
             suffix_scale=self.gamma_scale.value if self.gamma_scale.samples else 0.0)
 
     def observe(self, handoff: HandoffObservation) -> float | None:
@@ -148,7 +150,7 @@ class DecodeCalibration:
             self._observe_prefix(handoff)
         self._warm = True
         self.recent.observe(handoff.action, handoff.prompt_len, handoff.modelled_ms,
-                            handoff.timings.total_s * 1e3, self.link.gbps)
+                            handoff.timings.total_s * 1e3, self.link.gbps, handoff.pipelined)
         return sample_gbps
 
     def _observe_suffix(self, handoff: HandoffObservation) -> None:

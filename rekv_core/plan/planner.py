@@ -7,7 +7,9 @@ final choice uses measured latency (`Evidence`, from the decode side's `RecentHa
 that ran recently on the decode worker, at prompts of about this length over a link like today's,
 is expected to take its own median time, scaled to this prompt length by the cost model; any other
 action, the model's prediction times the measured/modelled ratio of the nearest measured cut with
-the same codec, else its kind's recent median of that ratio. Between near-equal actions it prefers
+the same codec, else its kind's recent median of that ratio; an action's measurements count only
+for the order they were sent in (layer or token order, `cost`'s `order`). Between near-equal actions
+it prefers
 a measured one, then the previous choice (hysteresis). With `forced`, the decision is that action
 with what the planner expects of it, beside the same ranking.
 
@@ -69,6 +71,12 @@ class Evidence:
 
     over_model: Mapping[ActionKind, float] = field(default_factory=dict)  # by kind
     measured: Mapping[Action, Measured] = field(default_factory=dict)  # this length's bucket
+    # the same of the handoffs sent pipelined (token order)
+    measured_pipelined: Mapping[Action, Measured] = field(default_factory=dict)
+
+    def usable(self, pipelined: bool) -> dict[Action, Measured]:
+        """The measurements, in this order, an action's expectation may rest on (`_usable`)."""
+        return _usable(self.measured_pipelined if pipelined else self.measured)
 
 
 class Ranked(NamedTuple):
@@ -156,12 +164,12 @@ class Planner:
                         ranked, inputs, rule=rule, pipelined=chosen.prediction.pipelined)
 
     def _best(self, ranked: list[Ranked], evidence: Evidence, key: int) -> tuple[Ranked, Rule]:
-        known = _usable(evidence.measured)
+        known = _Known(evidence)
         margin = _cost(ranked[0]) * (1 + self.hysteresis)
         with self._lock:
             previous = self._last.get(key)
             best = min((r for r in ranked if _cost(r) <= margin), key=lambda r: (
-                r.prediction.action not in known, r.prediction.action != previous, _cost(r)))
+                r not in known, r.prediction.action != previous, _cost(r)))
             count = self._decisions[key] = self._decisions.get(key, 0) + 1
             if self.explore_every and count % self.explore_every == 0:
                 trial = _exploration(ranked, known, best)
@@ -171,12 +179,21 @@ class Planner:
         return best, Rule.BEST
 
 
-def _exploration(ranked: list[Ranked], known: Mapping[Action, Measured], best: Ranked
-                 ) -> Ranked | None:
+class _Known:
+    """`ranked in known`: its action has recent measurements in its predicted order."""
+
+    def __init__(self, evidence: Evidence):
+        self._by_order = {False: evidence.usable(False), True: evidence.usable(True)}
+
+    def __contains__(self, ranked: Ranked) -> bool:
+        return ranked.prediction.action in self._by_order[ranked.prediction.pipelined]
+
+
+def _exploration(ranked: list[Ranked], known: _Known, best: Ranked) -> Ranked | None:
     """The best candidate other than `best` not measured recently that the model alone expects
     within `EXPLORE_FACTOR` of `best`'s expected cost, if any."""
     bound = EXPLORE_FACTOR * _cost(best)
-    return next((r for r in ranked if r.prediction.action not in known
+    return next((r for r in ranked if r not in known
                  and r.prediction.action != best.prediction.action
                  and r.prediction.total_ms + r.prediction.load_ms <= bound), None)
 
@@ -257,16 +274,16 @@ def expected_ms(prediction: Prediction, inputs: CostInputs, evidence: Evidence =
     measured/modelled ratio of the nearest cut measured with the same codec (neighbouring actions
     share the model's errors, such as an encoder slower than profiled); by its kind's ratio;
     the model's time alone."""
-    action = prediction.action
-    usable = _usable(evidence.measured)
+    action, pipelined = prediction.action, prediction.pipelined
+    usable = evidence.usable(pipelined)
     own = usable.get(action)
     if own is not None:
-        then_ms = _modelled_at(action, inputs, own.prompt_len)
+        then_ms = _modelled_at(action, inputs, own.prompt_len, pipelined)
         return own.median_ms * prediction.total_ms / then_ms if then_ms > 0 else own.median_ms
     nearest = _nearest_measured(action, usable)
     if nearest is not None:
         neighbour, seen = nearest
-        then_ms = _modelled_at(neighbour, inputs, seen.prompt_len)
+        then_ms = _modelled_at(neighbour, inputs, seen.prompt_len, pipelined)
         if then_ms > 0:
             return prediction.total_ms * seen.median_ms / then_ms
     factor = evidence.over_model.get(action.kind, 0.0)
@@ -279,8 +296,12 @@ def _usable(measured: Mapping[Action, Measured]) -> dict[Action, Measured]:
             if m.count >= MIN_MEASURED and m.median_ms > 0}
 
 
-def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int) -> float:
-    """The model's time for `action` at `prompt_len`, other inputs as now (γ linear in S)."""
+def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int, pipelined: bool = False
+                 ) -> float:
+    """The model's time for `action` in this order at `prompt_len`, other inputs as now (γ linear
+    in S)."""
+    if inputs.streamed:
+        inputs = dataclasses.replace(inputs, order="tokens" if pipelined else "layers")
     if prompt_len != inputs.prompt_len:
         inputs = dataclasses.replace(
             inputs, prompt_len=prompt_len,

@@ -6,8 +6,10 @@ speak for a new request:
 
 - `corrections(link_gbps)`: by action kind, the median of measured over modelled time of its last
   `window` such handoffs;
-- `measured(prompt_len, link_gbps)`: by action, within the request's power of two of prompt length,
-  the median time (and median prompt length, and count) of its last `window` such handoffs.
+- `measured(prompt_len, link_gbps, pipelined)`: by action, within the request's power of two of
+  prompt length, the median time (and median prompt length, and count) of its last `window` such
+  handoffs sent in that order (token order when `pipelined`: the same action takes another time
+  pipelined, and the two must not blur into one median).
 
 An action whose measurements age out, or whose link moved on, is predicted by the model again, so
 a change of link that makes it attractive gets it tried.
@@ -62,14 +64,16 @@ class RecentHandoffs:
         self.link_tolerance = link_tolerance
         self._clock = clock
         self._by_kind: dict[ActionKind, collections.deque] = collections.defaultdict(recent)
-        self._by_action: dict[int, dict[Action, collections.deque]] = collections.defaultdict(
-            lambda: collections.defaultdict(recent))
-        self._warm: set[tuple[int, Action]] = set()  # (bucket, action) past its first handoff
+        self._by_action: dict[int, dict[tuple[Action, bool], collections.deque]] = (
+            collections.defaultdict(lambda: collections.defaultdict(recent)))
+        # (bucket, action, pipelined) past its first handoff
+        self._warm: set[tuple[int, Action, bool]] = set()
         self._lock = threading.Lock()
 
     def observe(self, action: Action, prompt_len: int, modelled_ms: float, measured_ms: float,
-                link_gbps: float) -> None:
-        """File one handoff, unless it is its action's first in its length bucket (cold)."""
+                link_gbps: float, pipelined: bool = False) -> None:
+        """File one handoff, unless it is its action's first in its length bucket and order
+        (cold)."""
         if measured_ms <= 0 or link_gbps <= 0:
             return
         handoff = _Handoff(prompt_len, measured_ms,
@@ -77,12 +81,12 @@ class RecentHandoffs:
                            self._clock())
         bucket = length_bucket(prompt_len)
         with self._lock:
-            if (bucket, action) not in self._warm:
-                self._warm.add((bucket, action))  # the cold one: left out
+            if (bucket, action, pipelined) not in self._warm:
+                self._warm.add((bucket, action, pipelined))  # the cold one: left out
                 return
             if handoff.over_model > 0:
                 self._by_kind[action.kind].append(handoff)
-            self._by_action[bucket][action].append(handoff)
+            self._by_action[bucket][action, pipelined].append(handoff)
 
     def _alike(self, handoffs: Iterable[_Handoff], link_gbps: float) -> list[_Handoff]:
         oldest = self._clock() - self.max_age_s
@@ -96,12 +100,14 @@ class RecentHandoffs:
         return {kind: statistics.median(h.over_model for h in alike)
                 for kind, alike in series.items() if alike}
 
-    def measured(self, prompt_len: int, link_gbps: float) -> dict[Action, Measured]:
-        """Each action's recent handoffs that speak for a prompt of `prompt_len` tokens over a
-        link of `link_gbps`."""
+    def measured(self, prompt_len: int, link_gbps: float, pipelined: bool = False
+                 ) -> dict[Action, Measured]:
+        """Each action's recent handoffs in this order that speak for a prompt of `prompt_len`
+        tokens over a link of `link_gbps`."""
         with self._lock:
-            series = {action: self._alike(h, link_gbps) for action, h in
-                      self._by_action.get(length_bucket(prompt_len), {}).items()}
+            series = {action: self._alike(h, link_gbps) for (action, order), h in
+                      self._by_action.get(length_bucket(prompt_len), {}).items()
+                      if order == pipelined}
         return {action: Measured(statistics.median(h.measured_ms for h in alike),
                                  statistics.median_low(h.prompt_len for h in alike), len(alike))
                 for action, alike in series.items() if alike}

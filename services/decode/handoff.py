@@ -188,7 +188,7 @@ class Handoffs:
         observed = HandoffObservation(
             action=result.action, prompt_len=prompt_len, load=sharing, timings=result.timings,
             wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
-            modelled_ms=reply.model_ms, streamed=result.streamed)
+            modelled_ms=reply.model_ms, streamed=result.streamed, pipelined=result.pipelined)
         sample_gbps = worker.calibration.observe(observed)
         self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(prompt_len))
         t = result.timings

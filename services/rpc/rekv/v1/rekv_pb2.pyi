@@ -239,16 +239,18 @@ class DecodeOffer(_message.Message):
     def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
-    __slots__ = ("median_ms", "median_prompt_len", "count", "action")
+    __slots__ = ("median_ms", "median_prompt_len", "count", "action", "pipelined")
     MEDIAN_MS_FIELD_NUMBER: _ClassVar[int]
     MEDIAN_PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
+    PIPELINED_FIELD_NUMBER: _ClassVar[int]
     median_ms: float
     median_prompt_len: int
     count: int
     action: Action
-    def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ...) -> None: ...
+    pipelined: bool
+    def __init__(self, median_ms: _Optional[float] = ..., median_prompt_len: _Optional[int] = ..., count: _Optional[int] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., pipelined: _Optional[bool] = ...) -> None: ...
 
 class HandoffResponse(_message.Message):
     __slots__ = ("action", "action_kind", "predicted_ms", "candidates", "prefill_ms", "q_ms", "send_ms", "bytes", "link_gbps_estimate", "model_ms", "queue_depth", "schedule")
