@@ -7,8 +7,8 @@ KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) th
 with the boundary in one message, (d) streamed with the boundary in chunks (layer order), (d')
 the same pipelined (token order: the prefill runs in the boundary's chunks, each sent as it
 passes the cut), (e) the decode side's own prefill (token-only, streamed: the prefill service
-computes nothing; the colocated bound plus one RPC), also as the median ratio of the samples of the same round (`paired`: the client runs
-every case once per round); and the planner against the best forced case, joint int8 against full
+computes nothing; the colocated bound plus one RPC), also as the median ratio of the samples of
+the same round (`paired`: the client runs every case once per round); and the planner against the best forced case, joint int8 against full
 BF16 and against the best single mechanism; with newer codecs in the sweep, how each moved the
 best forced case (`codec_gains`).
 """
