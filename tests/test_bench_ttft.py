@@ -23,6 +23,10 @@ def test_cases_cover_every_schedule():
     assert {(c.action.codec, c.action.cut) for c in by["seed"]} == streamed - {("bf16", 30)}
     # chunking is for the actions with a boundary
     assert all(0 < c.action.cut < 30 and c.chunk_tokens == 256 for c in by["chunked"])
+    assert [c.action for c in by["pipelined"]] == [c.action for c in by["chunked"]]
+    spectrum = cases_for(30, TtftConfig(cuts=[10], codecs=["spectrum30"]))
+    assert not any(c.schedule == "pipelined" and c.action.codec == "spectrum30"
+                   for c in spectrum)  # it ranks a layer's tokens: no chunk encodes alone
     assert LinkRate.parse("x4").gbps(0.5) == 2.0
 
 
@@ -52,6 +56,9 @@ def test_bench_ttft_command(tmp_path):
     assert lossless and all(r["same_first_token"] for r in lossless)
     streamed_tokens = next(r for r in rows if r["label"] == "streamed tokens/0")
     assert streamed_tokens["prefill_ms"] == 0  # token-only: the prefill computes nothing
+    assert point["seed_over_pipelined"] == pytest.approx(
+        point["best"]["seed"]["median_ms"] / point["best"]["pipelined"]["median_ms"])
+    assert next(r for r in rows if r["label"] == "pipelined int8/15")["prefill_ms"] > 0
     partial = next(r for r in rows if r["label"] == "streamed int8/15")
     full = next(r for r in rows if r["label"] == "seed int8/15")
     assert partial["prefill_ms"] < full["prefill_ms"]  # 15 of 30 layers against all 30

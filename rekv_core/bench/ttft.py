@@ -9,9 +9,13 @@ link, with the prefill on its own thread and the decode side on the calling thre
 - `streamed` (c): the handoff sent from inside the prefill, which stops at the cut
   (`LivePrefill`), the boundary in one message;
 - `chunked` (d): as (c), the boundary in chunks of `chunk_tokens`, the suffix run chunk by chunk;
+- `pipelined` (d'): as (d), in token order: the prefill runs in those chunks up to the cut
+  (`ChunkedPrefill`), each chunk's boundary and prefix rows sent as it passes the cut, so the
+  decode side's layers run on a chunk while the prefill computes the next (interior cuts whose
+  codec ranks no tokens);
 - `colocated` (e): the prefill alone, to its own first-token logits (the bound: nothing moves).
 
-(b)–(d) try every action of `actions_for` and report each; a point's summary takes each schedule's
+(b)–(d') try every action of `actions_for` and report each; a point's summary takes each schedule's
 best action (an oracle over the same sweep for every schedule). TTFT runs from the start of the
 prefill to the decode side's complete cache and first-token logits. Runs go round-robin over the
 cases, in a shuffled order each round, after `warmups` rounds; besides the ratios of the medians,
@@ -39,13 +43,15 @@ from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.handoff.seal import new_key
-from rekv_core.handoff.source import LivePrefill
+from rekv_core.handoff.source import ChunkedPrefill, LivePrefill
 from rekv_core.model.executor import Model, prefill
 from rekv_core.transport.inprocess import InProcessLink
 
-SCHEDULES = ("baseline", "seed", "streamed", "chunked", "colocated")
+SCHEDULES = ("baseline", "seed", "streamed", "chunked", "pipelined", "colocated")
 PAIRED = (("(d)/(e)", "chunked_over_colocated"), ("(a)/(d)", "baseline_over_chunked"),
-          ("(b)/(d)", "seed_over_chunked"))  # the ratios a point gives both ways
+          ("(b)/(d)", "seed_over_chunked"), ("(d')/(e)", "pipelined_over_colocated"),
+          ("(a)/(d')", "baseline_over_pipelined"), ("(b)/(d')", "seed_over_pipelined")
+          )  # the ratios a point gives both ways
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,8 @@ def cases_for(L: int, config: TtftConfig) -> list[TtftCase]:
     cases += [TtftCase("seed", a) for a in actions if a != Action.full_bf16(L)]
     cases += [TtftCase("streamed", a) for a in actions]
     cases += [TtftCase("chunked", a, config.chunk_tokens) for a in actions if a.sends_boundary]
+    cases += [TtftCase("pipelined", a, config.chunk_tokens) for a in actions
+              if a.sends_boundary and not get_codec(a.codec).importance_window]
     return cases
 
 
@@ -119,7 +127,10 @@ def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[in
         try:
             began = time.perf_counter()
             window = get_codec(action.codec).importance_window if action.cut else 0
-            if case.schedule in ("streamed", "chunked"):
+            if case.schedule == "pipelined":
+                source = ChunkedPrefill(model, ids, action.cut, case.chunk_tokens)
+                outcome["source"] = source
+            elif case.schedule in ("streamed", "chunked"):
                 source = LivePrefill(model, ids, action.cut, importance_window=window)
                 outcome["source"] = source
             else:
@@ -215,16 +226,17 @@ def _point(S: int, rate: LinkRate, gbps: float, balanced: float, compute_all: fl
             "compute_all_ms": compute_all * 1e3,
             "best": {schedule: {"label": r["label"], "median_ms": r["median_ms"]}
                      for schedule, r in best.items()},
-            "chunked_over_colocated": ms["chunked"] / ms["colocated"],
-            "baseline_over_chunked": ms["baseline"] / ms["chunked"],
-            "seed_over_chunked": ms["seed"] / ms["chunked"],
+            **{f"{way}_over_colocated": ms[way] / ms["colocated"] for way in WAYS_D},
+            **{f"{other}_over_{way}": ms[other] / ms[way] for way in WAYS_D
+               for other in ("baseline", "seed")},
             "baseline_over_seed": ms["baseline"] / ms["seed"],
-            "paired": {"chunked_over_colocated": paired("chunked", "colocated"),
-                       "baseline_over_chunked": paired("baseline", "chunked"),
-                       "seed_over_chunked": paired("seed", "chunked")},
+            "paired": {**{f"{way}_over_colocated": paired(way, "colocated") for way in WAYS_D},
+                       **{f"{other}_over_{way}": paired(other, way) for way in WAYS_D
+                          for other in ("baseline", "seed")}},
             "codec_gains": codec_gains(rows)}
 
 
+WAYS_D = ("chunked", "pipelined")  # (d) and (d'), each against (a), (b) and (e)
 BASE_CODECS = ("bf16", "int8", "int4")  # the options before issue 16's codecs
 
 
@@ -261,6 +273,6 @@ def _point_line(p: dict) -> str:
     b = p["best"]
     return (f"S={p['prompt_len']} link={p['link']}: " + ", ".join(
         f"{s} {b[s]['median_ms']:.0f} ms ({b[s]['label']})" for s in SCHEDULES)
-        + f"; (d)/(e) {p['chunked_over_colocated']:.2f}, (a)/(d) {p['baseline_over_chunked']:.2f}"
-          f", (b)/(d) {p['seed_over_chunked']:.2f}; paired: " + ", ".join(
+        + "; " + ", ".join(f"{name} {p[key]:.2f}" for name, key in PAIRED) + "; paired: "
+        + ", ".join(
               f"{name} {p['paired'][key]['median']:.2f}" for name, key in PAIRED))
