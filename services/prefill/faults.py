@@ -8,7 +8,8 @@ none, so that one process serves every kind of fault in turn.
 
 - `hold_negotiation`, `hold_boundary`, `hold_prefix`: hold the handoff for `fault_hold_s` seconds
   when the call is in and its action chosen (nothing sent: `at_negotiation`), once the boundary
-  (or the token ids) has left, or once half of the prefix layers have left (cut >= 2), after
+  (or the token ids) has left, or once half of the prefix layers have left (cut >= 2;
+  pipelined: their rows of the first chunk), after
   logging `fault injection: holding request=<id> transfer=<id> at <point>`, so that a test can
   kill the process there or act on the transfer meanwhile. The hold ends early when the transfer
   is cancelled.
@@ -26,7 +27,7 @@ import logging
 import threading
 
 from rekv_core.handoff.transfer import Transfer
-from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name
+from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name, layer_rows_name
 from rekv_core.transport import Message, TransportSender
 from services.settings import BY_REQUEST, FAULTS
 
@@ -101,7 +102,8 @@ class _HandoffFaults:
     def after_send(self, name: str) -> None:
         fault = self.fault
         if (fault == "hold_boundary" and name in (BOUNDARY, TOKENS)) or (
-                fault == "hold_prefix" and self.cut >= 2 and name == layer_name(self.cut // 2 - 1)):
+                fault == "hold_prefix" and self.cut >= 2 and name in (
+                    layer_name(self.cut // 2 - 1), layer_rows_name(self.cut // 2 - 1, 0))):
             self.sender.flush(self.transfer.transfer_id, self.transfer.wait_s())  # on the wire
             self._hold(name)
 
