@@ -11,8 +11,8 @@ so the points are not those of any committed sweep or test: fresh prefill and de
 namespaces joined by a veth pair shaped with `tc tbf`; as root, else loopback with paced sends),
 and a client in the decode namespace first sends `--planner-requests` requests with no forced
 action or schedule (the planner asked before anything else has run), then, per forced action of
-`CASES` under the default (streamed) schedule and the baseline (full prefill, then every layer's
-BF16 KV), one warm-up and `--runs` timed requests. Every time is TTFT from arrival on the decode
+`CASES` under the default (streamed) schedule, BF16 and int8 at L/2 pipelined (the prefill in
+token chunks) and the baseline (full prefill, then every layer's BF16 KV), one warm-up and `--runs` timed requests. Every time is TTFT from arrival on the decode
 worker (`Summary.ttft_ms`). Per point: the first request against full BF16 transfer (the baseline
 and streamed); the first request's action timed warm against the baseline (when it is one of
 `CASES`: the choice without the first request's cold cost); the median of requests 2.. against
@@ -50,7 +50,8 @@ STREAMED = None  # the services' default schedule
 BASELINE = {"action": ["bf16", L], "schedule": [False, 0]}
 CASES = [BASELINE] + [{"action": a, "schedule": STREAMED} for a in (
     ["bf16", L], ["int8", L], ["bf16", 0], ["bf16", L // 2], ["int8", L // 4], ["int8", L // 2],
-    ["int8", 3 * L // 4])]
+    ["int8", 3 * L // 4]) + [
+    {"action": a, "schedule": [True, 256, True]} for a in (["bf16", L // 2], ["int8", L // 2])]
 
 
 def draw_points(seed: int, count: int, rates: tuple[float, float], lengths: tuple[int, int]
@@ -90,9 +91,15 @@ def run_point(point: dict, args, log_dir: Path, index: int) -> dict:
     return summarize_point(point, planner, forced, codes, why_not)
 
 
+def schedule_label(used: list) -> str:
+    """How a request's handoff went, from the client's `used` entry."""
+    streamed, pipelined = used[3], len(used) > 6 and used[6]
+    return "pipelined" if pipelined else "streamed" if streamed else "seed"
+
+
 def summarize_point(point: dict, planner: dict, forced: list[dict], codes: dict,
                     why_not: str | None) -> dict:
-    medians = [{"action": f["forced"], "schedule": "seed" if f["schedule"] else "streamed",
+    medians = [{"action": f["forced"], "schedule": schedule_label(f["used"][-1]),
                 "median_ms": statistics.median(f["samples_ms"])} for f in forced]
     best = min(medians, key=lambda m: m["median_ms"])
     baseline, streamed_bf16 = medians[0]["median_ms"], medians[1]["median_ms"]

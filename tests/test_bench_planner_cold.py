@@ -12,7 +12,10 @@ SPEC.loader.exec_module(planner_cold)
 
 
 def _forced(case, samples):
-    return {"forced": case["action"], "schedule": case["schedule"], "samples_ms": samples}
+    schedule = case["schedule"] or [True, 256]
+    used = ["joint", *case["action"], schedule[0], schedule[1], "bf16", schedule[2:] == [True]]
+    return {"forced": case["action"], "schedule": case["schedule"], "samples_ms": samples,
+            "used": [used]}
 
 
 def test_a_point_is_judged_on_its_first_request_and_the_median_of_the_rest():
@@ -25,6 +28,8 @@ def test_a_point_is_judged_on_its_first_request_and_the_median_of_the_rest():
     point = planner_cold.summarize_point({"link_gbps": 0.5, "prompt_len": 600}, planner, forced,
                                          {}, None)
     assert point["best"]["action"] == ["bf16", 0] and point["best"]["median_ms"] == 710.0
+    assert [m["schedule"] for m in point["forced"]][:2] == ["seed", "streamed"]
+    assert [m["schedule"] for m in point["forced"]][-2:] == ["pipelined", "pipelined"]
     assert point["first_over_baseline"] == pytest.approx(900 / 1000)
     assert point["first_action_warm_over_baseline"] == pytest.approx(710 / 1000)
     assert point["later_median_ms"] == 770.0
