@@ -50,7 +50,7 @@ STREAMED = None  # the services' default schedule
 BASELINE = {"action": ["bf16", L], "schedule": [False, 0]}
 CASES = [BASELINE] + [{"action": a, "schedule": STREAMED} for a in (
     ["bf16", L], ["int8", L], ["bf16", 0], ["bf16", L // 2], ["int8", L // 4], ["int8", L // 2],
-    ["int8", 3 * L // 4]) + [
+    ["int8", 3 * L // 4])] + [
     {"action": a, "schedule": [True, 256, True]} for a in (["bf16", L // 2], ["int8", L // 2])]
 
 
