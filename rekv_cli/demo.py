@@ -155,9 +155,10 @@ def print_table(console, rows: list[dict], prompts: list[dict], rate, kind: str)
                           f"FAILED: {row['error'][:60]}", end_section=row["position"] == 3)
             continue
         fallback = " fallback" if row["fallback"] else ""
+        order = " pipelined" if row.get("pipelined") else ""
         ratio = row["ttft_over_streamed"]
         table.add_row(tokens, str(row["position"]), row["way"],
-                      f"{row['action_kind']} ({row['codec']}, {row['cut']}){fallback}",
+                      f"{row['action_kind']} ({row['codec']}, {row['cut']}){order}{fallback}",
                       f"{row['bytes'] / 1024:.0f}", f"{row['ttft_ms']:.0f}",
                       "" if ratio is None else f"{ratio:.2f}", _same_tokens(row),
                       "yes" if row["passkey_found"] else "no",
@@ -165,7 +166,9 @@ def print_table(console, rows: list[dict], prompts: list[dict], rate, kind: str)
     console.print(table)
     console.print("baseline: full prefill, then every layer's BF16 KV (forced). seed: full "
                   "prefill, then the seed's overlapped handoff. streamed: rekv, the handoff "
-                  "streamed from inside a prefill that stops at the cut, the boundary in chunks. "
+                  "streamed from inside a prefill that stops at the cut, the boundary in chunks "
+                  "(pipelined: the prefill runs in those token chunks, and the decode worker "
+                  "computes its layers on one chunk while the prefill computes the next). "
                   "seed and streamed: the planner picks (b, c); token_recompute: the decode "
                   "worker prefills the prompt itself, no KV crosses the link. #: the order they "
                   "were sent in. ÷ streamed: TTFT over the streamed TTFT.")
