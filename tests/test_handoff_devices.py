@@ -1,4 +1,4 @@
-"""Every action of the handoff on every device this machine has, under both schedules, over the
+"""Every action of the handoff on every device this machine has, under every schedule, over the
 in-process link and over UCX: the rebuilt cache is bit-exact against the sender's own encoding and
 the byte model holds.
 
@@ -16,7 +16,7 @@ import torch
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
 from rekv_core.handoff.seal import new_key
-from rekv_core.handoff.source import LivePrefill
+from rekv_core.handoff.source import ChunkedPrefill, LivePrefill
 from rekv_core.model import Model, prefill
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import get_preset
@@ -56,13 +56,15 @@ def _expected_layer(state, action: Action, layer: int):
 
 
 def _handoff(model, ids, state, action, schedule, sender, receiver, request_id, streamed=False,
-             chunk_tokens=0):
+             chunk_tokens=0, pipelined=False):
     receiver.open(request_id)
     errors = []
     key = new_key()  # sealed as in the services: the MAC and checksums run on the device too
 
     def send():
         source = LivePrefill(model, ids, action.cut) if streamed else state
+        if pipelined:
+            source = ChunkedPrefill(model, ids, action.cut, chunk_tokens)
         try:
             send_handoff(sender, request_id, action, model.shape, ids, source, key=key,
                          chunk_tokens=chunk_tokens)
@@ -112,6 +114,22 @@ def test_every_action_is_exact_streamed_with_a_chunked_boundary(setting):
             result = _handoff(model, ids, state, action, "overlap", link.sender, link.receiver,
                               f"streamed-{n}", streamed=True, chunk_tokens=EXEC_BLOCK)
             assert result.streamed
+            _check(model, ids, state, action, result)
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+
+
+def test_every_interior_cut_is_exact_pipelined(setting):
+    """The prefill runs one token chunk at a time on the compute stream while the sender encodes
+    each chunk's boundary and prefix rows on its own stream; on CUDA 16 chunks, each chunk's
+    suffix queued while later chunks compute and land."""
+    model, ids, state = setting
+    link_gbps = 400.0 if model.device.type == "cuda" else None
+    L = model.shape.num_layers
+    with InProcessLink(bandwidth_gbps=link_gbps) as link:
+        for n, action in enumerate(a for a in _actions(L) if 0 < a.cut < L):
+            result = _handoff(model, ids, state, action, "overlap", link.sender, link.receiver,
+                              f"pipelined-{n}", chunk_tokens=EXEC_BLOCK, pipelined=True)
+            assert result.pipelined
             _check(model, ids, state, action, result)
         assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
 

@@ -170,6 +170,8 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
     with contextlib.closing(source.layers()) as layers:
         for layer in layers:
             streams.follow(stream, source.device)  # after the compute that produced the layer
+            # and its K and V are not given to another tensor before the encoding has read them
+            streams.wait_ready(None, (layer.keys, layer.values), stream)
             start = time.perf_counter()
             with streams.on_stream(stream):
                 encoded = codec.encode(layer.keys, layer.values,
@@ -199,6 +201,9 @@ def _send_in_token_order(plan: Plan, source: ChunkedPrefill, stream, send: _Post
     with contextlib.closing(source.chunks()) as chunks:
         for chunk in chunks:
             streams.follow(stream, source.device)
+            streams.wait_ready(None, (chunk.boundary, *(t for layer in chunk.layers
+                                                         for t in (layer.keys, layer.values))),
+                               stream)
             with streams.on_stream(stream):
                 rows = chunk.boundary.to(torch.bfloat16)
                 codebook = chunk_codebook(rows, plan.boundary, codebook)
