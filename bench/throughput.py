@@ -7,7 +7,8 @@
 One prefill and one decode service (`ServicePair`), each pinned to a core of its own with one torch
 thread (`taskset`, when there are two cores or more), on loopback: the link is not the limit here,
 the two pools' compute is. Each mode sends `--requests` requests of the same `--prompt-tokens`
-random token ids, `--concurrency` at a time, streamed handoffs with the lossless BF16 codec:
+random token ids, `--concurrency` at a time, streamed handoffs with the lossless BF16 codec (in
+the order the planner predicts less for, layer or token order; the table counts the pipelined):
 
 - `cut=c` forced: the prefill service computes layers 0..c−1 and the decode service c..L−1, so the
   prefill pool's share of the work is c/L; c = L is the P/D default (the prefill computes every
@@ -79,6 +80,7 @@ def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> d
             "ttft_p95_ms": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
             "prefill_ms_per_request": statistics.median(s.timings.prefill_ms for s in summaries),
             "cuts": sorted(s.action.cut for s in summaries),
+            "pipelined": sum(s.schedule.pipelined for s in summaries),
             "fallbacks": sum(s.fallback for s in summaries)}
 
 
@@ -139,6 +141,8 @@ def summarize(rounds: list[list[dict]], ran: list[tuple[str, int | None]]) -> li
         rows.append({"mode": label, **{key: statistics.median(r[key] for r in runs) for key in (
             "requests_per_s", "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_per_request")},
             "cuts": sorted(c for r in runs for c in r["cuts"]),
+            "pipelined": sum(r.get("pipelined", 0) for r in runs),
+            "requests": sum(len(r["cuts"]) for r in runs),
             "fallbacks": sum(r["fallbacks"] for r in runs)})
     full = rows[0]["requests_per_s"]
     for row in rows:
@@ -154,7 +158,7 @@ def markdown(results: dict) -> str:
              f"{meta['pinned']}); commit {meta['commit']};",
              f"`{meta['command']}`", "",
              "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms "
-             "| prefill ms/request | cuts chosen |", "|---|---|---|---|---|---|---|"]
+             "| prefill ms/request | pipelined | cuts chosen |", "|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         cuts = ""
         if r["mode"] == "planner":
@@ -162,7 +166,8 @@ def markdown(results: dict) -> str:
             cuts = ", ".join(f"{c}: {n}" for c, n in counts.items())
         lines.append(f"| {r['mode']} | {r['requests_per_s']:.2f} | {r['vs_full_prefill']:.2f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
-                     f"{r['prefill_ms_per_request']:.0f} | {cuts} |")
+                     f"{r['prefill_ms_per_request']:.0f} | "
+                     f"{r.get('pipelined', 0)} of {r.get('requests', len(r['cuts']))} | {cuts} |")
     return "\n".join(lines) + "\n"
 
 

@@ -278,3 +278,4 @@ def test_the_planner_says_when_it_pipelines():
     assert not forced.pipelined
     layers = Planner().decide(dataclasses.replace(fast, order="layers"), ["bf16", "int8"])
     assert not layers.pipelined
+

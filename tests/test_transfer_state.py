@@ -212,3 +212,27 @@ def test_the_book_remembers_which_transfers_ended_and_when():
     third.advance(TransferState.DONE)
     assert book.left_since(before) == ["failed", "third"]  # the last `remember` of them
     assert [t.transfer_id for t in book.live()] == ["live"]
+
+
+def test_a_chunked_suffix_counts_only_the_time_it_computed(monkeypatch):
+    """A pipelined suffix waits for each boundary chunk between its computes: the work a decode
+    worker reports as still ahead must not shrink while it waits (it made that worker look idle
+    under load, and the planner sent it more layers than it could take)."""
+    clock = [100.0]
+    monkeypatch.setattr("rekv_core.handoff.transfer.time.monotonic", lambda: clock[0])
+    transfer = Transfer("chunked")
+    assert transfer.computed_s() is None  # not begun
+    transfer.advance(TransferState.PREFIX)
+    clock[0] += 1.0
+    assert transfer.computed_s() == pytest.approx(1.0)  # untimed: all the time since it began
+    transfer.compute(True)
+    clock[0] += 0.3
+    transfer.compute(False)
+    clock[0] += 2.0  # waiting for the next chunk: nothing computed
+    assert transfer.computed_s() == pytest.approx(0.3)
+    transfer.compute(True)
+    clock[0] += 0.2
+    assert transfer.computed_s() == pytest.approx(0.5)  # the running chunk counts as it runs
+    transfer.compute(False)
+    transfer.compute(False)  # idempotent
+    assert transfer.computed_s() == pytest.approx(0.5)

@@ -175,12 +175,17 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
         rows = decode_chunk(message, (s1 - s0, *shape), plan.boundary).to(model.device,
                                                                            model.dtype)
         now = time.perf_counter()
+        transfer = incoming.inbound.transfer
         if index == 0:
             began = now
-            incoming.inbound.transfer.advance(TransferState.PREFIX)
-        h = run_layers_chunk(model, rows, plan.cut, s0, cache)
-        if cuda:
-            torch.cuda.current_stream(model.device).synchronize()
+            transfer.advance(TransferState.PREFIX)
+        transfer.compute(True)
+        try:
+            h = run_layers_chunk(model, rows, plan.cut, s0, cache)
+            if cuda:
+                torch.cuda.current_stream(model.device).synchronize()
+        finally:
+            transfer.compute(False)
         compute += time.perf_counter() - now
     logits = final_logits(model, h[-1])
     if cuda:

@@ -13,7 +13,10 @@ however the handoff goes:
    the prediction rests on a prior and can be far too short); every wait obeys the deadline;
 3. the cache is complete once every message has arrived and passed its checks; the reply, which
    the prefill side sends once its last byte has left, teaches the calibration. A verified cache
-   whose reply is late (or lost) is kept: the reply only carries timings.
+   whose reply is late (or lost) is kept: the reply only carries timings. A handoff that overlapped
+   another's, or began while this worker computed, gives no link sample: the other's messages
+   shared the wire and this worker's reader, so its arrivals time both, or the machine (under
+   load, samples of 0.02–0.08 Gb/s were seen on loopback and made every transfer look slow).
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
 or unauthenticated, a deadline passed) the receive is aborted, which drains whatever the prefill
 side still sends, and the prompt is recomputed here from its token ids, counted in
@@ -28,7 +31,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
@@ -87,11 +90,34 @@ def _call_failure(exc: grpc.aio.AioRpcError) -> _Failed:
     return _Failed(label, f"prefill: {code.name}: {exc.details()}")
 
 
+@dataclass(eq=False)
+class _Receive:
+    shared: bool  # another handoff was receiving, or this worker computing, during it
+
+
+class _Overlaps:
+    """The receives in flight, each marked once another overlaps it (event-loop thread only)."""
+
+    def __init__(self):
+        self._open: set[_Receive] = set()
+
+    def begin(self, computing: bool) -> _Receive:
+        mine = _Receive(shared=computing or bool(self._open))
+        for other in self._open:
+            other.shared = True
+        self._open.add(mine)
+        return mine
+
+    def end(self, mine: _Receive) -> None:
+        self._open.discard(mine)
+
+
 class Handoffs:
     def __init__(self, worker: DecodeWorker, prefill: PrefillPool):
         self.worker, self.prefill = worker, prefill
         self.metrics = worker.metrics
         self.in_flight = 0
+        self._overlaps = _Overlaps()
 
     async def run(self, call: GenerateCall, ids: list[int], time_remaining: float | None,
                   queue: int) -> Handed:
@@ -108,6 +134,7 @@ class Handoffs:
                             worker.settings.handoff_timeout_s, worker.transfers,
                             trust_predictions=worker.calibration.link.samples > 0)
         key = new_key()  # this handoff's: only the chosen prefill worker learns it
+        receive = self._overlaps.begin(computing=worker.computing() > 0)
         worker.receiver.open(transfer.transfer_id)  # 1
         receiving = asyncio.ensure_future(asyncio.to_thread(
             worker.receive, transfer, len(ids), call.max_new_tokens, key))
@@ -126,6 +153,9 @@ class Handoffs:
                 await asyncio.gather(receiving, return_exceptions=True)
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
+            self._overlaps.end(receive)
+        if receive.shared:
+            result = replace(result, link_sample=None)
         return self._learn(result, reply, len(ids), sharing)
 
     async def _negotiate(self, call: GenerateCall, ids: list[int], transfer: Transfer,

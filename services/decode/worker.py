@@ -104,8 +104,9 @@ class DecodeWorker(Worker):
 
     def backlog(self) -> tuple[float, tuple[str, ...]]:
         """The compute committed here by handoffs whose plan has arrived and by local recomputes
-        (ms: each one's layers at the γ offered now, less what it has run since it began
-        computing, sharing the compute with the others computing now), and the transfer ids of
+        (ms: each one's layers at the γ offered now, less what it has run: the time it computed,
+        not counting a chunked suffix's waits for its chunks, shared with the others computing
+        now), and the transfer ids of
         the handoffs whose plan this worker has seen: those, and the ones that ended in the last
         `NAMES_ENDED_FOR_S` (nothing left to count), the latest kept when they are more than an
         offer carries (a local recompute has no id: no prefill worker counts it)."""
@@ -121,8 +122,8 @@ class DecodeWorker(Worker):
                 continue
             work = transfer.compute_layers * self.calibration.suffix_ms_per_layer(
                 transfer.prompt_len, sharers)
-            began = transfer.computing_since()
-            done = 0.0 if began is None else (now - began) * 1e3 / sharing
+            computed = transfer.computed_s(now)
+            done = 0.0 if computed is None else computed * 1e3 / sharing
             total += max(0.0, work - done)
             planned.append(transfer.transfer_id)
         ended = self.transfers.left_since(now - NAMES_ENDED_FOR_S)
