@@ -158,7 +158,8 @@ def markdown(results: dict) -> str:
              f"{meta['pinned']}); commit {meta['commit']};",
              f"`{meta['command']}`", "",
              "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms "
-             "| prefill ms/request | pipelined | cuts chosen |", "|---|---|---|---|---|---|---|---|"]
+             "| prefill ms/request | pipelined | cuts chosen |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         cuts = ""
         if r["mode"] == "planner":
