@@ -9,56 +9,29 @@ the messages go in token order; the prefill computes only the layers below the c
 its compute once; what cannot be pipelined is refused by name; the receiver refuses a layer's rows
 out of their order."""
 
-import threading
 
 import pytest
 import torch
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, Schedule, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff import Action, Schedule, send_handoff, wire_bytes
 from rekv_core.handoff.source import ChunkedPrefill
 from rekv_core.handoff.wire import Plan
 from rekv_core.model import executor, prefill
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import MessageNames, run_handoff
 
 
 def _ids(n, seed=0):
     return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-class _Names:
-    def __init__(self):
-        self.names = []
-
-    def before_send(self, message):
-        return message
-
-    def after_send(self, name):
-        self.names.append(name)
-
-
 def _pipelined(model, ids, action, chunk_tokens, schedule="overlap", on_done=None, hooks=None,
                fault=None):
     source = ChunkedPrefill(model, ids, action.cut, chunk_tokens, on_done=on_done)
-    errors = []
-    with InProcessLink(fault=fault) as link:
-        link.receiver.open("r")
-
-        def send():
-            try:
-                send_handoff(link.sender, "r", action, model.shape, ids, source,
-                             chunk_tokens=chunk_tokens, hooks=hooks)
-            except Exception as exc:  # noqa: BLE001 - surfaced by the test
-                errors.append(exc)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        try:
-            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30)
-        finally:
-            sender.join()
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+    result, errors = run_handoff(model, ids, action, source, chunk_tokens, schedule, hooks=hooks,
+                                 fault=fault)
     return source, result, errors
 
 
@@ -96,7 +69,7 @@ def test_pipelined_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk, se
 def test_pipelined_messages_go_in_token_order(smollm_bf16):
     model = smollm_bf16
     L, cut = model.shape.num_layers, 3
-    names = _Names()
+    names = MessageNames()
     _, _, errors = _pipelined(model, _ids(800), Action("int8", cut, L), 256, hooks=names)
     assert not errors
     expected = ["plan"]

@@ -21,6 +21,7 @@ from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.executor import final_logits
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import MessageNames, run_handoff
 
 
 def test_chunk_bounds():
@@ -89,26 +90,8 @@ def test_a_prefill_in_token_chunks_up_to_the_cut_is_bit_identical(smollm_fp32, s
 def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=None,
               transfer=None, hooks=None):
     source = LivePrefill(model, ids, action.cut, on_done=on_done)
-    with InProcessLink() as link:
-        link.receiver.open("r")
-        errors = []
-
-        def send():
-            try:
-                send_handoff(link.sender, "r", action, model.shape, ids, source,
-                             chunk_tokens=chunk_tokens, transfer=transfer, hooks=hooks)
-            except Exception as exc:  # noqa: BLE001 - surfaced by the test
-                errors.append(exc)
-            finally:
-                source.close()
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        try:
-            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30)
-        finally:
-            sender.join()
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+    result, errors = run_handoff(model, ids, action, source, chunk_tokens, schedule, transfer,
+                                 hooks)
     return source, result, errors
 
 
@@ -139,19 +122,6 @@ def test_streamed_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk):
             assert result.timings.r_s > 0
 
 
-class _Names:
-    """Send hooks that record the names of the messages posted, in order."""
-
-    def __init__(self):
-        self.names = []
-
-    def before_send(self, message):
-        return message
-
-    def after_send(self, name):
-        self.names.append(name)
-
-
 @pytest.mark.parametrize("codec,cut", [("bf16", 9), ("bf16", 1), ("int8", 9)])
 def test_a_streamed_boundary_follows_the_whole_prefix(smollm_bf16, codec, cut):
     """Streamed: the layers as they are computed, then the boundary's chunks (layer c−1 starts
@@ -159,7 +129,7 @@ def test_a_streamed_boundary_follows_the_whole_prefix(smollm_bf16, codec, cut):
     model = smollm_bf16
     L = model.shape.num_layers
     ids = _ids(520, seed=cut)  # two boundary chunks of 256
-    names = _Names()
+    names = MessageNames()
     _, result, errors = _streamed(model, ids, Action(codec, cut, L), 256, hooks=names)
     assert not errors
     assert names.names == ["plan", *(f"layer.{i}" for i in range(cut)), "boundary",

@@ -1,0 +1,48 @@
+"""One handoff over the in-process link, the sender on a thread of its own, and send hooks that
+record the message names: what the handoff schedule tests share."""
+
+import threading
+
+from rekv_core.handoff import receive_handoff, send_handoff
+from rekv_core.transport.inprocess import InProcessLink
+
+
+class MessageNames:
+    """Send hooks that record the names of the messages posted, in order."""
+
+    def __init__(self):
+        self.names = []
+
+    def before_send(self, message):
+        return message
+
+    def after_send(self, name):
+        self.names.append(name)
+
+
+def run_handoff(model, ids, action, source, chunk_tokens=0, schedule="overlap", transfer=None,
+                hooks=None, fault=None):
+    """(the receiver's result, the sender's errors); the link must end with nothing held."""
+    errors = []
+    with InProcessLink(fault=fault) as link:
+        link.receiver.open("r")
+
+        def send():
+            try:
+                send_handoff(link.sender, "r", action, model.shape, ids, source,
+                             chunk_tokens=chunk_tokens, transfer=transfer, hooks=hooks)
+            except Exception as exc:  # noqa: BLE001 - surfaced by the test
+                errors.append(exc)
+            finally:
+                close = getattr(source, "close", None)
+                if close is not None:
+                    close()
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30)
+        finally:
+            sender.join()
+        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+    return result, errors
