@@ -21,8 +21,10 @@ class MessageNames:
 
 
 def run_handoff(model, ids, action, source, chunk_tokens=0, schedule="overlap", transfer=None,
-                hooks=None, fault=None):
-    """(the receiver's result, the sender's errors); the link must end with nothing held."""
+                hooks=None, fault=None, key=None, encrypted=False, receiver_key=None):
+    """(the receiver's result, the sender's errors); the link must end with nothing held.
+    `key` seals (and with `encrypted` encrypts) the handoff; the receiver opens it with
+    `receiver_key` (default: the same key)."""
     errors = []
     with InProcessLink(fault=fault) as link:
         link.receiver.open("r")
@@ -30,7 +32,8 @@ def run_handoff(model, ids, action, source, chunk_tokens=0, schedule="overlap", 
         def send():
             try:
                 send_handoff(link.sender, "r", action, model.shape, ids, source,
-                             chunk_tokens=chunk_tokens, transfer=transfer, hooks=hooks)
+                             chunk_tokens=chunk_tokens, transfer=transfer, hooks=hooks, key=key,
+                             encrypted=encrypted)
             except Exception as exc:  # noqa: BLE001 - surfaced by the test
                 errors.append(exc)
             finally:
@@ -41,7 +44,9 @@ def run_handoff(model, ids, action, source, chunk_tokens=0, schedule="overlap", 
         sender = threading.Thread(target=send)
         sender.start()
         try:
-            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30)
+            result = receive_handoff(model, link.receiver, "r", schedule, timeout=30,
+                                     key=key if receiver_key is None else receiver_key,
+                                     encrypted=encrypted)
         finally:
             sender.join()
         assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}

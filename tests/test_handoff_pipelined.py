@@ -15,6 +15,7 @@ import torch
 
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, Schedule, send_handoff, wire_bytes
+from rekv_core.handoff.seal import SealError, new_key
 from rekv_core.handoff.source import ChunkedPrefill
 from rekv_core.handoff.wire import Plan
 from rekv_core.model import executor, prefill
@@ -135,3 +136,21 @@ def test_a_layers_rows_out_of_order_are_refused(smollm_bf16):
 
     with pytest.raises(TransportError, match="unexpected message 'layer.0.0'"):
         _pipelined(model, _ids(600), Action("bf16", 4, L), 256, fault=second_chunk_first)
+
+
+def test_a_pipelined_handoff_is_sealed_and_encrypted_like_any_other(smollm_bf16):
+    """Every chunk's messages are sealed with the handoff's key and, when asked, encrypted: the
+    cache is the reference's, and a receiver with another key refuses the first message."""
+    model = smollm_bf16
+    L, ids, key = model.shape.num_layers, _ids(600, seed=5), new_key()
+    action = Action("bf16", 12, L)
+    ref = prefill(model, ids)
+    result, errors = run_handoff(model, ids, action, ChunkedPrefill(model, ids, 12, 256), 256,
+                                 key=key, encrypted=True)
+    assert not errors and result.pipelined
+    assert torch.equal(result.logits, ref.logits)
+    k, v = result.cache.layer(5)
+    assert torch.equal(k, ref.keys[5]) and torch.equal(v, ref.values[5])
+    with pytest.raises(SealError, match="plan: handoff MAC mismatch"):
+        run_handoff(model, ids, action, ChunkedPrefill(model, ids, 12, 256), 256, key=key,
+                    encrypted=True, receiver_key=new_key())
