@@ -160,6 +160,8 @@ def test_a_streamed_link_sample_counts_the_prefix_ahead_of_the_first_chunk():
     first_chunk = S * SHAPE.hidden_size * 2
     assert first_chunk < plan.LINK_SAMPLE_BYTES  # so the layers ahead of it decide
     assert plan.samples_link(Action("bf16", 1, L), streamed)  # layer 0, then the chunk
+    # pipelined, the chunk goes first and the suffix starts on it
+    assert not plan.samples_link(Action("bf16", 1, L), streamed, pipelined=True)
     assert not plan.samples_link(Action("bf16", 1, L), dataclasses.replace(streamed,
                                                                            streamed=False))
 

@@ -234,15 +234,17 @@ def safe_choice(ranked: list[Ranked], inputs: CostInputs, codecs: Iterable[str],
     bound = least + SAMPLE_SHARE * (least - 1) + 1e-9
     order = {r.prediction.action: i for i, r in enumerate(ranked)}
     return min((r for r in ranked if worst[r.prediction.action] <= bound), key=lambda r: (
-        not samples_link(r.prediction.action, inputs), worst[r.prediction.action],
+        not samples_link(r.prediction.action, inputs, r.prediction.pipelined),
+        worst[r.prediction.action],
         order[r.prediction.action]))
 
 
-def samples_link(action: Action, inputs: CostInputs) -> bool:
+def samples_link(action: Action, inputs: CostInputs, pipelined: bool = False) -> bool:
     """Whether `action` puts at least `LINK_SAMPLE_BYTES` on the wire back-to-back before the
     decode side starts computing (what its link sample counts, see `transport.arrivals`):
     transfer-only, its whole prefix; otherwise the boundary's first chunk, after the prefix when
-    streamed; token-only, nothing worth timing. An approximation: a layer the sender holds back
+    streamed in layer order (`pipelined`: the first chunk alone, its prefix rows following it);
+    token-only, nothing worth timing. An approximation: a layer the sender holds back
     (encoding it, or computing it when streamed) ends a run."""
     shape, S = inputs.shape, inputs.prompt_len
     if action.cut == 0:
@@ -253,7 +255,8 @@ def samples_link(action: Action, inputs: CostInputs) -> bool:
         return prefix + wire.head >= LINK_SAMPLE_BYTES
     s0, s1 = chunk_bounds(S, inputs.chunk_tokens)[0]
     first_chunk = (s1 - s0) * shape.hidden_size * BF16_BYTES
-    return first_chunk + (prefix if inputs.streamed else 0) >= LINK_SAMPLE_BYTES
+    ahead = prefix if inputs.streamed and not pipelined else 0
+    return first_chunk + ahead >= LINK_SAMPLE_BYTES
 
 
 def _cost(ranked: Ranked) -> float:
