@@ -161,10 +161,10 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
         sent += _send_boundary(plan, source, stream, send, boundary_codebook)
-    if plan.pipelined:
+    if plan.pipelined:  # an interior cut: nothing was sent but the plan
         report = _send_in_token_order(plan, source, stream, send, boundary_codebook, codec)
         send.flush()
-        return SenderReport(report.quantize_seconds, sent + report.bytes)
+        return report
 
     quantize = 0.0
     with contextlib.closing(source.layers()) as layers:
@@ -207,10 +207,7 @@ def _send_in_token_order(plan: Plan, source: ChunkedPrefill, stream, send: _Post
             with streams.on_stream(stream):
                 rows = chunk.boundary.to(torch.bfloat16)
                 codebook = chunk_codebook(rows, plan.boundary, codebook)
-                buffers, extra = encode_chunk(rows, plan.boundary, codebook)
-                header = with_checksums(buffers, extra)
-            send(boundary_name(chunk.index), header, buffers)
-            sent += WireBytes(boundary=sum(b.numel() for b in buffers.values()))
+            sent += _send_boundary_chunk(plan, chunk.index, rows, codebook, stream, send)
             for layer in chunk.layers:
                 start = time.perf_counter()
                 with streams.on_stream(stream):
@@ -228,15 +225,21 @@ def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting,
     """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message per chunk of rows
     (`Plan.boundary_chunks`)."""
     streams.follow(stream, source.device)
-    sent = 0
+    sent = WireBytes()
     with streams.on_stream(stream):
         h_c = source.boundary().to(torch.bfloat16)
         codebook = chunk_codebook(h_c, plan.boundary, codebook)
-    state = None if plan.streamed else TransferState.BOUNDARY
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
-        with streams.on_stream(stream):  # the checksums' read waits for the encoding
-            buffers, extra = encode_chunk(h_c[s0:s1], plan.boundary, codebook)
-            header = with_checksums(buffers, extra)
-        send(boundary_name(chunk), header, buffers, state=state)
-        sent += sum(b.numel() for b in buffers.values())
-    return WireBytes(boundary=sent)
+        sent += _send_boundary_chunk(plan, chunk, h_c[s0:s1], codebook, stream, send)
+    return sent
+
+
+def _send_boundary_chunk(plan: Plan, chunk: int, rows: torch.Tensor, codebook: list[int] | None,
+                         stream, send: _Posting) -> WireBytes:
+    """One chunk of BF16 boundary rows, coded as `plan.boundary` says."""
+    with streams.on_stream(stream):  # the checksums' read waits for the encoding
+        buffers, extra = encode_chunk(rows, plan.boundary, codebook)
+        header = with_checksums(buffers, extra)
+    send(boundary_name(chunk), header, buffers,
+         state=None if plan.streamed else TransferState.BOUNDARY)
+    return WireBytes(boundary=sum(b.numel() for b in buffers.values()))

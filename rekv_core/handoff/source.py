@@ -85,7 +85,21 @@ class FinishedPrefill:
         return self.state.hidden[len(self.state.keys)][-1]
 
 
-class LivePrefill:
+class _ComputingSource:
+    """A source that computes as it is read: `compute_s`, and `on_done` called once (`close`)."""
+
+    def __init__(self, on_done: Callable[[], None] | None):
+        self.compute_s = 0.0
+        self._on_done = on_done
+
+    def close(self) -> None:
+        """Call `on_done` if it was not yet called (idempotent)."""
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            on_done()
+
+
+class LivePrefill(_ComputingSource):
     streamed, pipelined = True, False
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
@@ -95,8 +109,7 @@ class LivePrefill:
         self.model, self.token_ids, self.cut = model, token_ids, cut
         self.importance_window = importance_window
         self.device = model.device
-        self.compute_s = 0.0
-        self._on_done = on_done
+        super().__init__(on_done)
         self._h: torch.Tensor | None = None
 
     def layers(self) -> Iterator[ProducedLayer]:
@@ -129,14 +142,8 @@ class LivePrefill:
     def head(self) -> torch.Tensor:
         return self.boundary()[-1]
 
-    def close(self) -> None:
-        """Call `on_done` if it was not yet called (idempotent)."""
-        on_done, self._on_done = self._on_done, None
-        if on_done is not None:
-            on_done()
 
-
-class ChunkedPrefill:
+class ChunkedPrefill(_ComputingSource):
     streamed = pipelined = True
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int, chunk_tokens: int,
@@ -150,8 +157,7 @@ class ChunkedPrefill:
         self.model, self.token_ids, self.cut = model, token_ids, cut
         self.bounds = chunk_bounds(len(token_ids), chunk_tokens)
         self.device = model.device
-        self.compute_s = 0.0
-        self._on_done = on_done
+        super().__init__(on_done)
 
     def chunks(self) -> Iterator[ProducedChunk]:
         model, shape, c = self.model, self.model.shape, self.cut
@@ -174,9 +180,3 @@ class ChunkedPrefill:
                     started = time.perf_counter()
         finally:
             self.close()
-
-    def close(self) -> None:
-        """Call `on_done` if it was not yet called (idempotent)."""
-        on_done, self._on_done = self._on_done, None
-        if on_done is not None:
-            on_done()

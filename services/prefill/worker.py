@@ -111,8 +111,9 @@ class PrefillWorker(Worker):
         unseen = self.assigned.unseen(call.offer.address, call.offer.planned)
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, schedule.streamed, schedule.chunk_tokens,
-            self._order(call, schedule, queue), prefill_queue=queue, decode_queue=call.offer.computing,
-            prefill_wait_ms=self.backlog.ms, decode_wait_ms=call.offer.backlog_ms + unseen)
+            self._order(call, schedule, queue), prefill_queue=queue,
+            decode_queue=call.offer.computing, prefill_wait_ms=self.backlog.ms,
+            decode_wait_ms=call.offer.backlog_ms + unseen)
         codecs = common_codecs(self.settings.codecs, call.offer.codecs)
         decision = self.planner.decide(inputs, codecs, costs.evidence, call.forced_action,
                                        link_measured=costs.link_gbps > 0)
@@ -127,9 +128,10 @@ class PrefillWorker(Worker):
         may pick one and both pools are free of other requests (`queue` here, `computing`
         there), layer order under load. Pipelining runs both pools on one request at once; under
         load they have other work, and ranked in both orders there the planner split the layers
-        worse (the throughput run: 1.33-1.40x a full prefill's rate, against 1.57x in layer order,
-        with the forced middle cut pipelined at 1.66-1.75x and in layer order at 1.55-1.60x): the
-        measurements it corrects its model by were taken under load in one order or the other."""
+        worse (`bench/results/throughput-orders/`: 1.33x a full prefill's rate against 1.57-1.61x
+        in layer order, with the forced middle cut pipelined at 1.69-1.75x and in layer order at
+        1.55-1.63x): the measurements it corrects its model by were taken under load in one
+        order or the other."""
         if call.forced_schedule is not None:
             return "tokens" if schedule.pipelined else "layers"
         free = (self.settings.pipeline_prefill and call.offer.accepts_pipelined
