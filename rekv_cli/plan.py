@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -120,6 +121,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from rekv_core.model.tokenizer import load_tokenizer
     from rekv_core.plan.gate import GateConfig, calibrate_splitzip, probe_spectrum, run_gate
     from rekv_core.plan.policy import Policy, deployed_codec
+    from rekv_core.plan.policy_meta import PolicyMeta
 
     for codec in args.codecs:
         get_codec(codec)
@@ -156,13 +158,13 @@ def cmd_gate(args: argparse.Namespace) -> int:
                        for cut in cuts], config,
                       progress=console.log, codec_for=lambda name: deployed_codec(name, deployed))
     policy.max_cut.update({codec: 0 for codec in ruled_out})
-    policy.meta.update({"text": Path(args.text).name,
-                        "command": "rekv " + " ".join(sys.argv[1:])})
+    found = {"text": Path(args.text).name, "command": "rekv " + " ".join(sys.argv[1:])}
     if "splitzip" in args.codecs:
-        policy.meta["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text),
-                                                     args.prompt_len, SPLITZIP_CALIBRATION)
+        found["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text), args.prompt_len,
+                                               SPLITZIP_CALIBRATION)
     if probe:
-        policy.meta["spectrum_probe"] = probe
+        found["spectrum_probe"] = probe
+    policy.meta = policy.meta.merged(PolicyMeta.from_json(found))
     if args.merge:
         policy = Policy.load(args.merge).merged(policy)
     policy.save(args.out)
@@ -181,8 +183,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                       "; ".join(v["reasons"]))
     Console(width=180).print(table)
     print(f"BF16 perplexity {policy.verdicts[0]['bf16_perplexity']:.3f}; passkeys found by BF16: "
-          f"{sum(n['found'] for n in policy.meta['bf16_needles'])}/"
-          f"{len(policy.meta['bf16_needles'])}; eligible: "
+          f"{sum(n['found'] for n in policy.meta.bf16_needles)}/"
+          f"{len(policy.meta.bf16_needles)}; eligible: "
           + ", ".join(f"{c} up to cut {m}" for c, m in policy.max_cut.items()))
     write_json(args.json, policy.to_json(), indent=1)
     return 0
@@ -192,7 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_core.handoff import Schedule
+    from rekv_core.handoff import Delivery, Order
     from rekv_core.model.shapes import get_preset
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
@@ -204,15 +206,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.prompt_len < 1:
         raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
     # the two workers as the profile describes them, fresh: no handoff seen, the link as given
-    costs = DecodeCalibration(shape, profile.layer_cost, profile.restore_ms_per_mib).offer(
-        args.prompt_len, args.load)
+    # (measured by the decode side, or only the prior with --unmeasured-link)
+    costs = dataclasses.replace(
+        DecodeCalibration(shape, profile.layer_cost, profile.restore_ms_per_mib).offer(
+            args.prompt_len, args.load),
+        link_gbps=None if args.unmeasured_link else args.link_gbps)
+    orders = {"auto": frozenset(Order), "pipelined": frozenset({Order.TOKENS})}.get(
+        args.schedule, frozenset({Order.LAYERS}))
     inputs = PrefillCalibration(profile.quantize_ms_per_mib, args.link_gbps,
                                 profile.layer_cost).cost_inputs(
         shape, args.prompt_len, costs, streamed=args.schedule != "seed",
-        chunk_tokens=Schedule(chunk_tokens=args.chunk_tokens).chunk_tokens,
-        order={"auto": "either", "pipelined": "tokens"}.get(args.schedule, "layers"))
-    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
-                                                       link_measured=not args.unmeasured_link)
+        chunk_tokens=Delivery(chunk_tokens=args.chunk_tokens).chunk_tokens, orders=orders)
+    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs)
     if args.json:
         print(json.dumps(decision.as_dict()))
         return 0

@@ -1,7 +1,9 @@
 """Runtime settings, read from the environment in one place and validated once.
 
 `RuntimeSettings.from_env(**overrides)` reads `REKV_MODEL`, `REKV_DEVICE`, `REKV_DTYPE` and
-`REKV_TORCH_THREADS`; explicit overrides (from command-line flags) win over the environment. BF16 is
+`REKV_TORCH_THREADS` (through `rekv_core.env`, the one reader of the environment); explicit
+overrides (from command-line flags) win over the environment. The services' settings extend this
+object (`services.settings.ServiceSettings`). BF16 is
 the only dtype on CUDA; the CPU runs float32 (default there) or BF16.
 
 CPU threads: a handoff runs two branches at once, the suffix compute and the prefix receive and
@@ -20,7 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core import env
 from rekv_core.model.shapes import DEFAULT_MODEL
+from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -31,6 +35,7 @@ class RuntimeSettings:
     device: str = "cpu"  # cpu, cuda or cuda:N
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     torch_threads: int = 0  # torch intra-op threads on the CPU; 0: every usable core
+    link_gbps: float = LINK_PRIOR_GBPS  # the link rate assumed until it is measured
 
     def __post_init__(self) -> None:
         if not (self.device == "cpu" or self.device == "cuda" or
@@ -42,12 +47,13 @@ class RuntimeSettings:
             raise ValueError("dtype: CUDA runs bfloat16 only, got float32")
         if self.torch_threads < 0:
             raise ValueError(f"torch_threads: must be >= 0, got {self.torch_threads}")
+        if not self.link_gbps > 0:
+            raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
 
     @classmethod
     def from_env(cls, **overrides: str | None) -> RuntimeSettings:
-        values = {"model": os.environ.get("REKV_MODEL"), "device": os.environ.get("REKV_DEVICE"),
-                  "dtype": os.environ.get("REKV_DTYPE"),
-                  "torch_threads": os.environ.get("REKV_TORCH_THREADS")}
+        values = {name: env.get(f"REKV_{name.upper()}")
+                  for name in ("model", "device", "dtype", "torch_threads")}
         values.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(values["torch_threads"], str):
             try:

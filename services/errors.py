@@ -7,15 +7,16 @@ import asyncio
 import grpc
 
 from rekv_core.codecs import CorruptPayloadError
+from rekv_core.connector import BadRequest, Busy
 from rekv_core.handoff.transfer import TransferCancelled
 from rekv_core.transport import TransportError
 
 
-class InvalidArgument(ValueError):
+class InvalidArgument(BadRequest):
     """Bad input from the caller: INVALID_ARGUMENT, with a message naming the field."""
 
 
-class ResourceExhausted(RuntimeError):
+class ResourceExhausted(Busy):
     """Beyond a bound of the worker (its queue, the memory for handoffs in flight):
     RESOURCE_EXHAUSTED, at once, before anything is allocated for the call."""
 
@@ -26,9 +27,9 @@ class HandoffFailed(RuntimeError):
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed request ends with, and the reason label for metrics."""
-    if isinstance(exc, InvalidArgument):
+    if isinstance(exc, BadRequest):  # InvalidArgument, or the connector's own
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
-    if isinstance(exc, ResourceExhausted):
+    if isinstance(exc, Busy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"
     if isinstance(exc, HandoffFailed):
         return grpc.StatusCode.UNAVAILABLE, "handoff_failed"

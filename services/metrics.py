@@ -18,7 +18,7 @@ from prometheus_client import (
 
 from rekv_core.handoff import Action, WireBytes
 from rekv_core.handoff.transfer import TransferState
-from rekv_core.plan.calibration import HandoffObservation
+from rekv_core.plan.evidence import HandoffObservation
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTE_KINDS = ("boundary", "prefix", "scales", "tokens", "head")

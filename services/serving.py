@@ -42,11 +42,10 @@ class Worker:
     live transfers and the admission bounds."""
 
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
-        runtime = settings.runtime
         self.settings = settings
         self.metrics = metrics
-        self.threads = runtime.apply_threads()
-        self.model = runtime.load_model()
+        self.threads = settings.apply_threads()
+        self.model = settings.load_model()
         self.shape = self.model.shape
         self.transfers = TransferBook()
         what = "request" if settings.role == "decode" else "handoff"

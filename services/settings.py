@@ -1,20 +1,21 @@
 """Settings of the two services: one typed object, from flags and the environment, checked once.
 
-Every field can be set with a flag (`--max-prompt-tokens 4096`) or an environment variable
-(`REKV_MAX_PROMPT_TOKENS=4096`); a flag wins. `ServiceSettings.from_args(role, argv)` parses and
-validates; an invalid value raises `ValueError` naming the field.
+`ServiceSettings` extends the core's `RuntimeSettings` (model, device, dtype, torch threads). Every
+field can be set with a flag (`--max-prompt-tokens 4096`) or an environment variable
+(`REKV_MAX_PROMPT_TOKENS=4096`, read through `rekv_core.env`); a flag wins.
+`ServiceSettings.from_args(role, argv)` parses and validates; an invalid value raises `ValueError`
+naming the field.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 from dataclasses import dataclass
 
+from rekv_core import env
 from rekv_core.codecs import codec_names
 from rekv_core.model.blocks import chunk_bounds
-from rekv_core.model.shapes import DEFAULT_MODEL
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
 
@@ -55,14 +56,9 @@ def parse_prefill_address(text: str) -> tuple[str, list[str]]:
     return "static", addresses
 
 
-
-@dataclass(frozen=True)
-class ServiceSettings:
+@dataclass(frozen=True, kw_only=True)
+class ServiceSettings(RuntimeSettings):
     role: str
-    model: str = DEFAULT_MODEL
-    device: str = "cpu"
-    dtype: str = "auto"
-    torch_threads: int = 0  # 0: every usable core
     host: str = "127.0.0.1"  # where gRPC, metrics and UCX listen
     grpc_port: int = 0  # 0: pick a free port (printed and written to --ready-file)
     metrics_port: int = 0
@@ -85,7 +81,6 @@ class ServiceSettings:
     max_inflight_bytes: int = 2 << 30
     # the codecs offered: every registered one; the planner keeps those the policy passed
     codecs: tuple[str, ...] = tuple(codec_names())
-    link_gbps: float = 10.0  # prior for the link estimate, until transfers are observed
     pace_gbps: float = 0.0  # prefill: hold UCX sends to this rate (link emulation); 0: off
     # Linux nice of the thread that drives UCX (it busy-polls while waiting for data); -1: the
     # role's default (DEFAULT_NICE)
@@ -98,7 +93,7 @@ class ServiceSettings:
     stream_handoff: bool = True
     # prefill, streamed: let the planner send an interior cut in token order where it predicts
     # less (the prefill runs in the boundary's chunks, each sent as it passes the cut, and the
-    # decode worker's layers run on it while the next computes: `Schedule.pipelined`)
+    # decode worker's layers run on it while the next computes: `Order.TOKENS`)
     pipeline_prefill: bool = True
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
@@ -127,6 +122,7 @@ class ServiceSettings:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # model, device, dtype, torch threads
         if self.role not in ROLES:
             raise ValueError(f"role: must be one of {ROLES}, got {self.role!r}")
         for name in ("grpc_port", "metrics_port", "ucx_port", "health_port"):
@@ -149,8 +145,6 @@ class ServiceSettings:
         if not -1 <= self.ucx_loop_nice <= 19:
             raise ValueError(f"ucx_loop_nice: must lie in [0, 19] (or -1: the role's "
                              f"default), got {self.ucx_loop_nice}")
-        if self.link_gbps <= 0:
-            raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
         if self.role == "decode":
             parse_prefill_address(self.prefill_address)
             if self.host in WILDCARD_HOSTS and not self.advertise_host:
@@ -177,16 +171,10 @@ class ServiceSettings:
         chunk_bounds(1, self.boundary_chunk_tokens)  # ValueError naming boundary_chunk_tokens
         if self.prefill_refresh_s <= 0:
             raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
-        self.runtime  # validates model, device and dtype
 
     @property
     def loop_nice(self) -> int:
         return DEFAULT_NICE[self.role] if self.ucx_loop_nice < 0 else self.ucx_loop_nice
-
-    @property
-    def runtime(self) -> RuntimeSettings:
-        return RuntimeSettings(model=self.model, device=self.device, dtype=self.dtype,
-                               torch_threads=self.torch_threads)
 
     @classmethod
     def parser(cls, role: str) -> argparse.ArgumentParser:
@@ -210,7 +198,7 @@ class ServiceSettings:
                 continue
             raw = getattr(args, f.name)
             if raw is None:
-                raw = os.environ.get("REKV_" + f.name.upper())
+                raw = env.get("REKV_" + f.name.upper())
             if raw is not None:
                 values[f.name] = _convert(f, raw)
         return cls(role=role, **values)

@@ -1,4 +1,5 @@
-"""Conversions between the protobuf messages of `proto/rekv/v1` and the services' own values.
+"""Conversions between the protobuf messages of `proto/rekv/v1` and the services' and connectors'
+values.
 
 This is the only module that reads or builds protobuf messages. Readers check each field's form
 and raise `InvalidArgument` naming the field (`forced_action.cut`, `offer.codecs`, ...); they never
@@ -11,14 +12,12 @@ import logging
 import math
 
 from rekv_core.codecs import codec_names
-from rekv_core.handoff import Action, ActionKind, Schedule, WireBytes
+from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
+from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
 from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
-from rekv_core.plan.calibration import DecodeCosts
-from rekv_core.plan.planner import Evidence
-from rekv_core.plan.recent import Measured
-from services.calls import (MAX_PLANNED_TRANSFERS, Completion, ConnectCall, Connected,
-                            DecodeOffer, GenerateCall, HandoffCall, HandoffReply)
+from rekv_core.plan.evidence import MAX_PLANNED_TRANSFERS, DecodeCosts, Evidence, Measured
+from services.calls import Completion, ConnectCall, Connected, GenerateCall
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
 
@@ -41,19 +40,20 @@ def action_to_proto(action: Action):
     return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary)
 
 
-def schedule_from_proto(message, field: str = "forced_schedule") -> Schedule:
+def delivery_from_proto(message, field: str = "forced_schedule") -> Delivery:
+    """A `Schedule` message (the proto's name for a delivery)."""
     try:
-        return Schedule(streamed=message.streamed, chunk_tokens=message.boundary_chunk_tokens,
-                        pipelined=message.pipelined)
+        return Delivery(streamed=message.streamed, chunk_tokens=message.boundary_chunk_tokens,
+                        order=Order.TOKENS if message.pipelined else Order.LAYERS)
     except ValueError as exc:
         where = "boundary_" if str(exc).startswith("chunk_tokens") else ""
         raise InvalidArgument(f"{field}.{where}{exc}") from None
 
 
-def schedule_to_proto(schedule: Schedule):
-    return rekv_pb2.Schedule(streamed=schedule.streamed,
-                             boundary_chunk_tokens=schedule.chunk_tokens,
-                             pipelined=schedule.pipelined)
+def delivery_to_proto(delivery: Delivery):
+    return rekv_pb2.Schedule(streamed=delivery.streamed,
+                             boundary_chunk_tokens=delivery.chunk_tokens,
+                             pipelined=delivery.pipelined)
 
 
 def wire_bytes_to_proto(wire: WireBytes):
@@ -92,7 +92,7 @@ def generate_call(request, num_layers: int) -> GenerateCall:
         token_ids=list(request.token_ids.ids) if which == "token_ids" else None,
         max_new_tokens=request.max_new_tokens, sampling=sampling, forced_action=forced,
         stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
-        forced_schedule=(schedule_from_proto(request.forced_schedule)
+        forced_delivery=(delivery_from_proto(request.forced_schedule)
                          if request.HasField("forced_schedule") else None))
 
 
@@ -111,8 +111,8 @@ def summary_response(done: Completion):
         measured_handoff_ms=h.measured_ms, fallback=h.fallback, fallback_reason=h.fallback_reason,
         timings=rekv_pb2.HandoffTimings(prefill_ms=h.prefill_ms, q_ms=h.q_ms, h_ms=h.h_ms,
                                         x_ms=h.x_ms, r_ms=h.r_ms, j_ms=h.j_ms))
-    if h.schedule is not None:
-        summary.schedule.CopyFrom(schedule_to_proto(h.schedule))
+    if h.delivery is not None:
+        summary.schedule.CopyFrom(delivery_to_proto(h.delivery))
     return rekv_pb2.GenerateResponse(summary=summary)
 
 
@@ -137,17 +137,18 @@ def handoff_request(call: HandoffCall):
             backlog_ms=offer.backlog_ms, planned_transfers=list(offer.planned),
             suffix_ms_per_layer=costs.suffix_ms_per_layer,
             restore_ms_per_mib=costs.restore_ms_per_mib, join_ms=costs.join_ms,
-            message_ms=costs.message_ms, link_gbps=costs.link_gbps,
-            suffix_scale=costs.suffix_scale, measured_over_model={kind.value: ratio
+            message_ms=costs.message_ms, **_measured_only(link_gbps=costs.link_gbps,
+                                                          suffix_scale=costs.suffix_scale),
+            measured_over_model={kind.value: ratio
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
             accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
-    if call.forced_schedule is not None:
-        request.forced_schedule.CopyFrom(schedule_to_proto(call.forced_schedule))
-    request.handoff_key = call.handoff_key
-    request.encrypt_data_plane = call.encrypt
+    if call.forced_delivery is not None:
+        request.forced_schedule.CopyFrom(delivery_to_proto(call.forced_delivery))
+    request.handoff_key = call.sealing.key or b""
+    request.encrypt_data_plane = call.sealing.encrypted
     return request
 
 
@@ -176,18 +177,19 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                             for codec, ms in offer.restore_ms_per_mib.items()},
         join_ms=_amount(offer.join_ms, "offer.join_ms"),
         message_ms=_amount(offer.message_ms, "offer.message_ms"),
-        link_gbps=_amount(offer.link_gbps, "offer.link_gbps"),
+        link_gbps=(_rate(offer.link_gbps, "offer.link_gbps") if offer.HasField("link_gbps")
+                   else None),
         evidence=_evidence(offer, num_layers),
-        suffix_scale=_scale(offer.suffix_scale))
+        suffix_scale=_scale(offer.suffix_scale) if offer.HasField("suffix_scale") else None)
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
-    chunk = schedule_from_proto(rekv_pb2.Schedule(
+    chunk = delivery_from_proto(rekv_pb2.Schedule(
         boundary_chunk_tokens=offer.boundary_chunk_tokens), "offer").chunk_tokens
     return HandoffCall(
         request_id=request.request_id, transfer_id=request.transfer_id,
         token_ids=list(request.token_ids), forced_action=forced,
-        handoff_key=bytes(request.handoff_key), encrypt=request.encrypt_data_plane,
-        forced_schedule=(schedule_from_proto(request.forced_schedule)
+        sealing=Sealing(bytes(request.handoff_key), request.encrypt_data_plane),
+        forced_delivery=(delivery_from_proto(request.forced_schedule)
                          if request.HasField("forced_schedule") else None),
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
@@ -241,15 +243,28 @@ def connect_response(connected: Connected):
                                     probe_ms=connected.probe_s * 1e3)
 
 
+def _measured_only(**values: float | None) -> dict[str, float]:
+    """The optional offer fields that hold a measurement (unset: not measured yet)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 MAX_SUFFIX_SCALE = 100.0  # a measured suffix this many times its profile says the profile is wrong
 
 
 def _scale(value: float) -> float:
-    """`offer.suffix_scale`: 0 (not measured) or within (0, MAX_SUFFIX_SCALE]; it multiplies the
-    prefill side's own compute figures, so an absurd one must not reach them."""
-    if not 0.0 <= value <= MAX_SUFFIX_SCALE:  # NaN fails too
-        raise InvalidArgument(f"offer.suffix_scale: must lie in [0, {MAX_SUFFIX_SCALE:g}], got "
-                              f"{value}")
+    """`offer.suffix_scale`, when set: within (0, MAX_SUFFIX_SCALE]; it multiplies the prefill
+    side's own compute figures, so an absurd one must not reach them."""
+    if not 0.0 < value <= MAX_SUFFIX_SCALE:  # NaN fails too
+        raise InvalidArgument(f"offer.suffix_scale: must lie in (0, {MAX_SUFFIX_SCALE:g}] when "
+                              f"set (unset: not measured), got {value}")
+    return value
+
+
+def _rate(value: float, field: str) -> float:
+    """A measured rate from a peer, when set: finite and > 0 (unset: not measured)."""
+    if not 0 < value < math.inf:
+        raise InvalidArgument(f"{field}: must be a finite number > 0 when set (unset: not "
+                              f"measured), got {value}")
     return value
 
 
@@ -294,7 +309,7 @@ def handoff_response(reply: HandoffReply):
                     for p, ms in reply.candidates],
         prefill_ms=reply.prefill_ms, q_ms=reply.q_ms, send_ms=reply.send_ms,
         bytes=wire_bytes_to_proto(reply.bytes), link_gbps_estimate=reply.link_gbps,
-        queue_depth=reply.queue_depth, schedule=schedule_to_proto(reply.schedule))
+        queue_depth=reply.queue_depth, schedule=delivery_to_proto(reply.delivery))
 
 
 def handoff_reply(response, num_layers: int) -> HandoffReply:
@@ -307,5 +322,5 @@ def handoff_reply(response, num_layers: int) -> HandoffReply:
         q_ms=_amount(response.q_ms, "q_ms"), send_ms=_amount(response.send_ms, "send_ms"),
         bytes=_wire_bytes_from_proto(response.bytes),
         link_gbps=_amount(response.link_gbps_estimate, "link_gbps_estimate"),
-        queue_depth=response.queue_depth, schedule=schedule_from_proto(response.schedule,
+        queue_depth=response.queue_depth, delivery=delivery_from_proto(response.schedule,
                                                                        "schedule"))

@@ -62,7 +62,8 @@ def forge(address: str, mode: str, transfer: str) -> None:
 
     from rekv_core.handoff import Action
     from rekv_core.handoff.seal import new_key, seal, with_checksums
-    from rekv_core.handoff.wire import BOUNDARY, PLAN, Plan
+    from rekv_core.handoff import HandoffPlan
+    from rekv_core.handoff.wire import BOUNDARY, PLAN
     from rekv_core.model import get_preset
     from rekv_core.transport import Message
     from rekv_core.transport.ucx import UcxEngine, UcxSender
@@ -84,7 +85,7 @@ def forge(address: str, mode: str, transfer: str) -> None:
             shape = get_preset("smollm2-135m")
             key = new_key() if mode == "wrong_key" else None
             seq_len = 16
-            plan = Plan.of(Action("bf16", 15, shape.num_layers), shape, seq_len).to_bytes()
+            plan = HandoffPlan(Action("bf16", 15, shape.num_layers), seq_len, shape).to_bytes()
             h = {"h": torch.zeros(seq_len * shape.hidden_size * 2, dtype=torch.uint8)}
             for seq, (name, header, buffers) in enumerate(
                     ((PLAN, plan, {}), (BOUNDARY, with_checksums(h), h))):

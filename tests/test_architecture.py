@@ -13,12 +13,13 @@ GENERATED = ROOT / "services" / "rpc" / "rekv"
 # Bottom to top. A module may import its own package (the longest name below that contains it)
 # and the packages of lower layers, never a higher layer or another package of its own layer.
 LAYERS = (
-    ("rekv_core.units", "rekv_core.timing", "rekv_core.streams"),
+    ("rekv_core.units", "rekv_core.timing", "rekv_core.streams", "rekv_core.env"),
     ("rekv_core.kernels", "rekv_core.transport", "rekv_core.eval"),
     ("rekv_core.model",),
     ("rekv_core.codecs",),
     ("rekv_core.handoff",),
     ("rekv_core.plan",),
+    ("rekv_core.connector",),
     ("rekv_core.bench", "rekv_core.settings"),
     ("services.rpc",),
     ("services",),  # what both services share: serving, settings, metrics, calls, wire_convert
@@ -103,7 +104,7 @@ def test_the_layer_check_catches_a_wrong_import(tmp_path):
     assert _imports(bad) == {"rekv_cli.main", "grpc"}
     assert _package("rekv_cli.main")[0] > _package("rekv_core.plan.planner")[0]
     assert _within("grpc", CORE_NEVER) and _package("services.decode.server") == (
-        9, "services.decode")
+        10, "services.decode")
 
 
 @pytest.mark.parametrize("top", ["rekv_core", "services", "rekv_cli", "bench", "tests"])
@@ -121,3 +122,70 @@ def test_files_and_functions_stay_small(top):
                     too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: "
                                     f"{length} lines")
     assert not too_long, "\n".join(too_long)
+
+
+# What the services may take from the planning package: the values that cross the control plane.
+# Calibration, load bookkeeping, cost model and planner are the connector's (`rekv_core.connector`).
+SERVICES_MAY_IMPORT_FROM_PLAN = ("rekv_core.plan.evidence",)
+HANDOFF_ENTRY_POINTS = ("send_handoff", "receive_handoff")
+
+
+def _imported_names(path: Path) -> set[tuple[str, str]]:
+    """(module, name) of every `from module import name` in the file, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {(node.module, alias.name) for alias in node.names}
+    return found
+
+
+def test_the_services_hold_no_load_or_calibration_arithmetic():
+    """A server parses, calls its connector and replies: it imports no calibration, estimate,
+    load book, cost model or planner, and never runs a handoff itself."""
+    wrong = []
+    for path in _sources("services"):
+        for imported in _imports(path):
+            if _within(imported, ("rekv_core.plan",)) and not _within(
+                    imported, SERVICES_MAY_IMPORT_FROM_PLAN):
+                wrong.append(f"{_module(path)} imports {imported}")
+        for module, name in _imported_names(path):
+            if name in HANDOFF_ENTRY_POINTS:
+                wrong.append(f"{_module(path)} imports {module}.{name}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_services_check_catches_a_server_doing_the_connectors_work(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from rekv_core.plan.calibration import DecodeCalibration\n"
+                   "from rekv_core.handoff import receive_handoff\n")
+    assert "rekv_core.plan.calibration" in _imports(bad)
+    assert not _within("rekv_core.plan.calibration", SERVICES_MAY_IMPORT_FROM_PLAN)
+    assert ("rekv_core.handoff", "receive_handoff") in _imported_names(bad)
+
+
+def test_the_handoff_takes_a_plan_and_a_handful_of_arguments():
+    import inspect
+
+    from rekv_core.handoff import HandoffPlan, receive_handoff, send_handoff
+
+    sender = inspect.signature(send_handoff).parameters
+    assert sender["plan"].annotation in (HandoffPlan, "HandoffPlan") and len(sender) - 1 <= 5
+    assert len(inspect.signature(receive_handoff).parameters) <= 5  # the plan comes in-band
+
+
+def test_no_order_or_schedule_travels_as_a_string():
+    """Orders, deliveries and receive modes are enums and dataclasses: no parameter or field is
+    annotated `str` under those names, and the old order strings appear nowhere."""
+    wrong = []
+    for path in _sources("rekv_core", "services"):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.arg, ast.AnnAssign)):
+                name = node.arg if isinstance(node, ast.arg) else getattr(node.target, "id", "")
+                annotation = node.annotation
+                if (name in ("order", "orders", "schedule", "mode", "delivery")
+                        and isinstance(annotation, ast.Name) and annotation.id == "str"):
+                    wrong.append(f"{_module(path)}:{node.lineno} {name}: str")
+            if isinstance(node, ast.Constant) and node.value == "either":
+                wrong.append(f"{_module(path)}:{node.lineno} the string 'either'")
+    assert not wrong, "\n".join(wrong)

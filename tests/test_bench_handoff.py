@@ -9,6 +9,7 @@ import pytest
 
 from rekv_core.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
 from rekv_core.bench.stats import median_ci, paired_ratio
+from rekv_core.handoff import ReceiveMode
 from rekv_core.handoff.action import ActionKind
 
 ROW_KEYS = {"action", "codec", "cut", "prompt_len", "link_gbps", "bytes", "median_ms", "ci95_ms",
@@ -57,7 +58,7 @@ def test_sweep_covers_every_action_kind_and_both_schedules():
     assert {c.action.kind for c in cases} == set(ActionKind)
     assert default_cuts(30) == [6, 12, 18, 24]
     joint_int8 = {c.action.cut for c in cases if c.action.codec == "int8" and
-                  c.action.kind == ActionKind.JOINT and c.schedule == "sequential"}
+                  c.action.kind == ActionKind.JOINT and c.mode is ReceiveMode.SEQUENTIAL}
     assert joint_int8 == {6, 12, 18, 24}
     with pytest.raises(ValueError, match="cuts"):
         cases_for(30, BenchConfig(cuts=[30]))

@@ -4,8 +4,8 @@ import pytest
 
 from rekv_core.handoff import Action, ActionKind, HandoffTimings, WireBytes, wire_bytes
 from rekv_core.model import get_preset
-from rekv_core.plan.calibration import (LINK_SAMPLE_BYTES, DecodeCalibration, DecodeCosts,
-                                        HandoffObservation, PrefillCalibration)
+from rekv_core.plan.calibration import LINK_SAMPLE_BYTES, DecodeCalibration, PrefillCalibration
+from rekv_core.plan.evidence import CodecCost, DecodeCosts, HandoffObservation
 from rekv_core.plan.estimates import LayerCost
 from rekv_core.plan.profile import Profile
 from rekv_core.units import MiB
@@ -31,7 +31,7 @@ def _seen(action, x_s=0.1, r_s=0.1, j_s=0.002, prefill_s=0.5, sample=None, load=
 def test_a_fresh_decode_side_offers_its_profile_and_no_link():
     costs = _decode().offer(S, load=2)
     assert costs.suffix_ms_per_layer == pytest.approx(20.0)  # two handoffs share the worker
-    assert costs.link_gbps == 0.0 and costs.join_ms == 0.0 and costs.message_ms == 0.0
+    assert costs.link_gbps is None and costs.join_ms == 0.0 and costs.message_ms == 0.0
     assert costs.restore_ms_per_mib == {"int8": 1.0}
     assert not costs.evidence.measured and not costs.evidence.over_model
 
@@ -69,7 +69,7 @@ def test_a_small_run_does_not_time_the_link():
     calibration = _decode()
     small = LINK_SAMPLE_BYTES // 2
     calibration.observe(_seen(Action("int8", 20, L), sample=(small, small * 8 / 1e9)))
-    assert calibration.offer(S, 1).link_gbps == 0.0
+    assert calibration.offer(S, 1).link_gbps is None
 
 
 def test_the_message_cost_comes_only_from_prefixes_the_suffix_did_not_hold_back():
@@ -110,16 +110,17 @@ def test_a_transfer_only_prefix_is_timed_from_the_end_of_the_prefill():
 def test_the_prefill_side_stands_in_for_the_link_until_the_decode_side_measures_it():
     calibration = PrefillCalibration({"int8": 0.5}, link_prior_gbps=10.0)
     costs = DecodeCosts(suffix_ms_per_layer=3.0, restore_ms_per_mib={"int8": 0.2}, join_ms=1.0,
-                        message_ms=0.5, link_gbps=0.0)
-    assert calibration.cost_inputs(SHAPE, S, costs).link_gbps == 10.0
+                        message_ms=0.5, link_gbps=None)
+    before = calibration.cost_inputs(SHAPE, S, costs)
+    assert before.link_gbps == 10.0 and not before.link_measured
     calibration.observe_send(8 << 20, (8 << 20) * 8 / 2e9)  # 2 Gb/s, encoding included
     inputs = calibration.cost_inputs(SHAPE, S, costs)
-    assert inputs.link_gbps == pytest.approx(2.0)
-    assert inputs.quantize_ms_per_mib == {"int8": 0.5}
-    assert inputs.restore_ms_per_mib == {"int8": 0.2}
+    assert inputs.link_gbps == pytest.approx(2.0) and not inputs.link_measured
+    assert inputs.codec_costs == {"int8": CodecCost(0.5, 0.2)}
     assert (inputs.suffix_ms_per_layer, inputs.join_ms, inputs.message_ms) == (3.0, 1.0, 0.5)
     measured = DecodeCosts(3.0, {"int8": 0.2}, 1.0, 0.5, link_gbps=0.3)
-    assert calibration.cost_inputs(SHAPE, S, measured).link_gbps == 0.3
+    inputs = calibration.cost_inputs(SHAPE, S, measured)
+    assert inputs.link_gbps == 0.3 and inputs.link_measured
 
 
 def test_streamed_and_whole_prefills_are_timed_apart():
@@ -144,7 +145,7 @@ def test_until_it_has_timed_a_prefill_the_prefill_side_takes_the_decode_sides_sc
     decode side that measured this (its suffixes at 1.4x its profile) while the prefill side has
     not must not make the prefill look 1.4x cheaper than the suffix."""
     decode = DecodeCalibration(SHAPE, LayerCost([S], [10.0]), {"bf16": 0.0})
-    assert decode.offer(S, 1).suffix_scale == 0.0  # nothing measured yet
+    assert decode.offer(S, 1).suffix_scale is None  # nothing measured yet
     for _ in range(2):  # the first handoff runs cold code paths: not learned from
         decode.observe(HandoffObservation(Action.token_only(L), S, 1, HandoffTimings(
             0.0, 0.0, 0.42, 0.0, 0.42), WireBytes(), None, 0.0, 300.0))

@@ -9,7 +9,6 @@ import grpc
 import pytest
 
 from rekv_core.handoff.probe import send_probe
-from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.transport import TransportOptions, create_receiver, create_sender_pool
 from rekv_core.units import MiB
 from services.decode.connect_ahead import ConnectAhead
@@ -61,6 +60,21 @@ class _Link:
         self.receiver.shutdown()
 
 
+class _Learner:
+    """What a `DecodeConnector` is to `ConnectAhead`: the link estimate's keeper."""
+
+    def __init__(self):
+        self.samples = []
+
+    @property
+    def link_measured(self):
+        return bool(self.samples)
+
+    def observe_probe(self, sample):
+        self.samples.append(sample)
+        return sample[0] * 8 / sample[1] / 1e9
+
+
 async def _listener():
     server = await asyncio.start_server(lambda reader, writer: writer.close(), "127.0.0.1", 0)
     return server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
@@ -70,7 +84,7 @@ def test_a_replica_that_is_not_listening_is_not_called():
     async def scenario():
         with _Link() as link:
             replica = _Replica(link)
-            ahead = ConnectAhead(link.receiver, LinkEstimate(10.0), timeout_s=2.0)
+            ahead = ConnectAhead(link.receiver, _Learner(), timeout_s=2.0)
             assert await ahead(_Peer("127.0.0.1:1", replica)) is None
             assert replica.requests == []
 
@@ -83,15 +97,15 @@ def test_probes_go_one_at_a_time_and_only_while_the_link_is_unmeasured():
         with _Link() as link:
             shared = {"running": 0, "most": 0}
             replicas = [_Replica(link, shared=shared) for _ in range(3)]
-            unmeasured = ConnectAhead(link.receiver, LinkEstimate(10.0), timeout_s=5.0)
+            unmeasured = ConnectAhead(link.receiver, _Learner(), timeout_s=5.0)
             answers = await asyncio.gather(*(unmeasured(_Peer(address, r)) for r in replicas))
             assert answers == [True, True, True]
             # the in-process link stamps no arrivals: each probe timed nothing, so each replica
             # was asked for one, but never two at once
             assert all(r.requests[0].probe_id for r in replicas)
-            assert shared["most"] == 1 and not any(link.receiver.pending().values())
-            measured = LinkEstimate(10.0)
-            measured.observe(MiB, 0.01)
+            assert shared["most"] == 1 and link.receiver.pending().idle
+            measured = _Learner()
+            measured.observe_probe((MiB, 0.01))
             later = _Replica(link)
             assert await ConnectAhead(link.receiver, measured)(_Peer(address, later)) is True
             assert later.requests[0].probe_id == ""  # connected only: handoffs keep the link
@@ -108,9 +122,9 @@ def test_a_refusal_says_whether_to_ask_again_and_frees_the_probe(status, answer)
     async def scenario():
         server, address = await _listener()
         with _Link() as link:
-            ahead = ConnectAhead(link.receiver, LinkEstimate(10.0), timeout_s=5.0)
+            ahead = ConnectAhead(link.receiver, _Learner(), timeout_s=5.0)
             assert await ahead(_Peer(address, _Replica(link, status))) is answer
-            assert not any(link.receiver.pending().values())
+            assert link.receiver.pending().idle
         server.close()
 
     asyncio.run(scenario())
@@ -122,13 +136,13 @@ def test_a_cancelled_connect_frees_the_probe():
         with _Link() as link:
             replica = _Replica(link)
             replica.Connect = lambda request, timeout=None: asyncio.sleep(30)  # never answers
-            task = asyncio.ensure_future(ConnectAhead(link.receiver, LinkEstimate(10.0))(
+            task = asyncio.ensure_future(ConnectAhead(link.receiver, _Learner())(
                 _Peer(address, replica)))
             await asyncio.sleep(0.2)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            assert not any(link.receiver.pending().values())
+            assert link.receiver.pending().idle
         server.close()
 
     asyncio.run(scenario())

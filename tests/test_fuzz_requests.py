@@ -85,8 +85,11 @@ def handoff_requests(draw):
     offer.codecs.extend(draw(st.lists(CODECS, max_size=4)))
     offer.model = draw(st.sampled_from(["smollm2-135m", "qwen3-8b", ""]))
     offer.num_layers = draw(st.sampled_from([L, 0, 36, 2**32 - 1]))
-    offer.suffix_ms_per_layer, offer.join_ms, offer.link_gbps, offer.suffix_scale = (
-        draw(FLOATS) for _ in range(4))
+    offer.suffix_ms_per_layer, offer.join_ms = draw(FLOATS), draw(FLOATS)
+    if draw(st.booleans()):  # absent: not measured
+        offer.link_gbps = draw(FLOATS)
+    if draw(st.booleans()):
+        offer.suffix_scale = draw(FLOATS)
     for codec in draw(st.lists(CODECS, max_size=3)):
         offer.restore_ms_per_mib[codec] = draw(FLOATS)
     for kind in draw(st.lists(st.sampled_from(["joint", "bf16_transfer", "nonsense"]),
@@ -107,12 +110,15 @@ def test_any_handoff_request_converts_or_names_its_field(request):
     call = _converted(wire_convert.handoff_call, request, "smollm2-135m", L)
     if call is None:
         return
-    assert len(call.handoff_key) == 32 and call.token_ids and call.transfer_id
+    assert len(call.sealing.key) == 32 and call.token_ids and call.transfer_id
     costs = call.offer.costs
-    for value in (costs.suffix_ms_per_layer, costs.join_ms, costs.message_ms, costs.link_gbps,
+    for value in (costs.suffix_ms_per_layer, costs.join_ms, costs.message_ms,
                   *costs.restore_ms_per_mib.values()):
         assert 0 <= value < math.inf
-    assert 0 <= costs.suffix_scale <= wire_convert.MAX_SUFFIX_SCALE
+    assert (costs.link_gbps is None) != request.offer.HasField("link_gbps")
+    assert costs.link_gbps is None or 0 < costs.link_gbps < math.inf
+    assert (costs.suffix_scale is None) != request.offer.HasField("suffix_scale")
+    assert costs.suffix_scale is None or 0 < costs.suffix_scale <= wire_convert.MAX_SUFFIX_SCALE
     assert all(0 < r < math.inf for r in costs.evidence.over_model.values())
     for action, m in costs.evidence.measured.items():
         assert 0 <= action.cut <= L and 0 <= m.median_ms < math.inf and m.count

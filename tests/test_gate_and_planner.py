@@ -7,14 +7,16 @@ import json
 import pytest
 import torch
 
-from rekv_core.handoff import Action, ActionKind
+from rekv_core.handoff import Action, ActionKind, Order
 from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs, predict
+from rekv_core.plan.calibration import codec_costs
 from rekv_core.plan.gate import GateConfig, reconstructed_cache, run_gate, text_windows
-from rekv_core.plan.planner import Evidence, Planner, expected_ms
+from rekv_core.plan.evidence import Evidence, Measured
+from rekv_core.plan.planner import Planner, expected_ms
 from rekv_core.plan.policy import Policy, shipped_policy
-from rekv_core.plan.recent import Measured, RecentHandoffs
+from rekv_core.plan.recent import RecentHandoffs
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
         "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
@@ -61,7 +63,7 @@ def test_gate_passes_int8_and_names_what_fails(smollm_bf16, tokenizer):
     assert not verdicts["int4", 30]["eligible"]
     assert any("perplexity" in reason for reason in verdicts["int4", 30]["reasons"])
     assert policy.max_cut == {"int8": 30, "int4": 0}
-    assert policy.meta["prompts"] == 3 and len(policy.meta["bf16_needles"]) == 1
+    assert policy.meta.prompts == 3 and len(policy.meta.bf16_needles) == 1
 
 
 def test_text_windows_cover_the_text():
@@ -91,15 +93,15 @@ def test_policy_round_trips_and_gates_actions(tmp_path):
 
 def test_planner_keeps_to_eligible_actions_and_applies_corrections():
     shape = get_preset("smollm2-135m")
-    inputs = CostInputs(shape, 2048, 0.4, 30.0, {"bf16": 0.0, "int8": 0.5},
-                        {"bf16": 0.01, "int8": 0.01}, 1.0)
+    inputs = CostInputs(shape, 2048, 0.4, 30.0, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                            {"bf16": 0.01, "int8": 0.01}), 1.0)
     free = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"])
     assert free.action.kind.value == "joint"
     capped = Planner(_policy({"int8": 8})).decide(inputs, ["bf16", "int8"])
     assert all(p.action.codec != "int8" or p.action.cut <= 8 for p, _ in capped.candidates)
     assert Planner(None).decide(inputs, ["int8", "bf16"]).action.codec == "bf16"
     outside = Planner(_policy({"int8": 30})).decide(
-        CostInputs(shape, 4096, 0.4, 30.0, {"int8": 0.5}), ["int8", "bf16"])
+        CostInputs(shape, 4096, 0.4, 30.0, codec_costs({"int8": 0.5}, {})), ["int8", "bf16"])
     assert outside.action.codec == "bf16" or outside.action.cut == 0
     slow = Evidence(over_model={ActionKind.JOINT: 10.0})
     slow_joint = Planner(_policy({"int8": 30})).decide(inputs, ["bf16", "int8"], slow)
@@ -176,7 +178,7 @@ def test_the_embedded_models_policy_ships_with_its_verdicts():
     assert policy.max_cut == {"int8": 30, "int4": 0, "int4h": 30, "spectrum30": 18,
                               "spectrum50": 30, "splitzip": 30}  # the gate's, in the README
     assert len(policy.splitzip_codebook("kv")) == len(policy.splitzip_codebook("boundary")) == 16
-    assert policy.meta["spectrum_probe"]["int4_tolerated"]
+    assert policy.meta.spectrum_probe.int4_tolerated
     for v in policy.verdicts:  # every verdict agrees with the cut it vouches for
         assert v["eligible"] == (v["cut"] <= policy.max_cut[v["codec"]]), v
     assert shipped_policy("no-such-model") is None
@@ -229,8 +231,8 @@ def test_planner_keeps_its_previous_choice_among_near_equals():
     shape = get_preset("smollm2-135m")
 
     def inputs(gamma, gbps=0.4):
-        return CostInputs(shape, 2048, gbps, gamma, {"bf16": 0.0, "int8": 0.5},
-                          {"bf16": 0.01, "int8": 0.01}, 1.0)
+        return CostInputs(shape, 2048, gbps, gamma, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                                {"bf16": 0.01, "int8": 0.01}), 1.0)
 
     planner = Planner(_policy({"int8": 30}), explore_every=0)
     first = planner.decide(inputs(30.0), ["bf16", "int8"]).action
@@ -255,11 +257,12 @@ def test_a_change_of_link_moves_the_choice_within_a_few_requests():
     S, codecs = 2048, ["bf16", "int8"]
 
     def world(gbps):
-        return CostInputs(shape, S, gbps, 30.0, {"bf16": 0.0, "int8": 0.5},
-                          {"bf16": 0.01, "int8": 0.01}, 1.0)
+        return CostInputs(shape, S, gbps, 30.0, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                            {"bf16": 0.01, "int8": 0.01}), 1.0)
 
     planner = Planner(_policy({"int8": 30}), explore_every=0)
-    recent, link = RecentHandoffs(), LinkEstimate(1.0, min_bytes=1)
+    recent, link = RecentHandoffs(), LinkEstimate(min_bytes=1)
+    link.observe(10**7, 10**7 * 8 / 1e9)  # 1 Gb/s to start from
     clock = [0.0]
     recent._clock = lambda: clock[0]
 
@@ -334,7 +337,7 @@ def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
     assert not failed.eligible(Action("spectrum30", 6, L))  # whatever max_cut an older run gave
     assert failed.eligible(Action("spectrum50", 30, L)) and failed.eligible(Action("int8", 6, L))
     costs = {"bf16": 0.0, "int8": 0.5, "spectrum30": 0.1, "spectrum50": 0.1}
-    world = CostInputs(get_preset("smollm2-135m"), 2048, 0.4, 30.0, costs, costs, 1.0)
+    world = CostInputs(get_preset("smollm2-135m"), 2048, 0.4, 30.0, codec_costs(costs, costs), 1.0)
     offered = {p.action.codec for p, _ in Planner(failed).decide(world, list(costs)).candidates}
     assert "spectrum50" in offered and "spectrum30" not in offered
 
@@ -347,12 +350,12 @@ def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
     # standing for the other form: it must gate that codec again
     needles = {"bf16_needles": []}
     older = Policy("smollm2-135m", (1, 2048), {"spectrum50": 30, "int8": 30},
-                   meta={**passed.meta, **needles})
+                   meta={**passed.meta.to_json(), **needles})
     with pytest.raises(ValueError, match="now gives 2 tiers, not 3; gate spectrum50 again"):
         older.merged(Policy("smollm2-135m", (1, 2048), {"int4h": 30},
-                            meta={**failed.meta, **needles}))
+                            meta={**failed.meta.to_json(), **needles}))
     assert older.merged(Policy("smollm2-135m", (1, 2048), {"spectrum50": 24},
-                               meta={**failed.meta, **needles})).max_cut["spectrum50"] == 24
+                               meta={**failed.meta.to_json(), **needles})).max_cut["spectrum50"] == 24
     assert deployed_codec("int8", failed.meta).name == "int8"
 
 
@@ -369,9 +372,9 @@ def test_measurements_count_only_for_the_order_they_were_sent_in():
     assert recent.measured(512, 1.0)[action] == Measured(610.0, 512, 3)
     evidence = Evidence(measured=recent.measured(512, 1.0),
                         measured_pipelined=recent.measured(512, 1.0, pipelined=True))
-    inputs = CostInputs(get_preset("smollm2-135m"), 512, 1.0, 2.0, {"int8": 0.5},
+    inputs = CostInputs(get_preset("smollm2-135m"), 512, 1.0, 2.0, codec_costs({"int8": 0.5}, {}),
                         prefill_ms_per_layer=2.0, streamed=True, chunk_tokens=256)
-    for order, own in (("tokens", 410.0), ("layers", 610.0)):
-        prediction = predict(action, dataclasses.replace(inputs, order=order))
-        assert expected_ms(prediction, dataclasses.replace(inputs, order=order),
+    for order, own in ((frozenset({Order.TOKENS}), 410.0), (frozenset({Order.LAYERS}), 610.0)):
+        prediction = predict(action, dataclasses.replace(inputs, orders=order))
+        assert expected_ms(prediction, dataclasses.replace(inputs, orders=order),
                            evidence) == pytest.approx(own)

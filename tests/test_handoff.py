@@ -8,10 +8,13 @@ import time
 import pytest
 import torch
 
-from rekv_core.handoff import Action, ActionKind, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff import (Action, ActionKind, ReceiveMode, Receiving, receive_handoff,
+                               send_handoff, wire_bytes)
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import planned
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 
@@ -22,35 +25,38 @@ def _actions(L):
             Action("int8", 1, L), Action("int4", L - 1, L)]
 
 
-def _handoff(model, ids, action, schedule="overlap", fault=None, request_id="r1", timeout=30.0):
+def _handoff(model, ids, action, mode=ReceiveMode.OVERLAP, fault=None, request_id="r1",
+             timeout=30.0):
     state = prefill(model, ids)
+    plan, source = planned(model, ids, action, state)
     with InProcessLink(fault=fault) as link:
         link.receiver.open(request_id)
         errors = []
 
         def send():
             try:
-                send_handoff(link.sender, request_id, action, model.shape, ids, state)
+                send_handoff(link.sender, plan, source, Transfer(request_id))
             except Exception as exc:  # noqa: BLE001 - surfaced by the test
                 errors.append(exc)
 
         sender = threading.Thread(target=send)
         sender.start()
         try:
-            result = receive_handoff(model, link.receiver, request_id, schedule, timeout=timeout)
+            result = receive_handoff(model, link.receiver, Transfer(request_id, stall_s=timeout),
+                                     receiving=Receiving(mode))
         finally:
             sender.join()
-            assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+            assert link.receiver.pending().idle
     return state, result, errors
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "sequential"])
-def test_every_action_rebuilds_the_cache(smollm_bf16, tokenizer, schedule):
+@pytest.mark.parametrize("mode", list(ReceiveMode))
+def test_every_action_rebuilds_the_cache(smollm_bf16, tokenizer, mode):
     model = smollm_bf16
     ids = tokenizer.encode(PROMPT)
     L = model.shape.num_layers
     for action in _actions(L):
-        state, result, errors = _handoff(model, ids, action, schedule)
+        state, result, errors = _handoff(model, ids, action, mode)
         assert not errors
         assert result.bytes == wire_bytes(action, model.shape, len(ids)), str(action)
         assert result.cache.length == len(ids)
@@ -118,12 +124,11 @@ def test_broken_streams_fail_without_a_cache(smollm_bf16, kind, error):
     assert not leftover, leftover
 
 
-def test_bad_schedule_is_named(smollm_bf16):
-    with InProcessLink() as link:
-        link.receiver.open("x")
-        with pytest.raises(ValueError, match="schedule"):
-            receive_handoff(smollm_bf16, link.receiver, "x", schedule="parallel")
-        assert link.receiver.pending()["open_requests"] == 0
+def test_a_receive_mode_is_an_enum_not_a_string():
+    with pytest.raises(ValueError, match="mode"):
+        Receiving(mode="overlap")
+    with pytest.raises(ValueError, match="extra_capacity"):
+        Receiving(extra_capacity=-1)
 
 
 class _Stamped:
@@ -155,12 +160,12 @@ def test_the_link_sample_counts_what_landed_before_the_worker_computed(smollm_bf
     L = model.shape.num_layers
     action = {"bf16_transfer": Action.full_bf16(L), "quant_transfer": Action("int8", L, L),
               "joint": Action("int8", 11, L), "token_recompute": Action.token_only(L)}[kind]
-    state = prefill(model, ids)
+    plan, source = planned(model, ids, action, prefill(model, ids))
     with InProcessLink() as link:
         link.receiver.open("timed")
-        send_handoff(link.sender, "timed", action, model.shape, ids, state)
+        send_handoff(link.sender, plan, source, Transfer("timed"))
         stamped = _Stamped(link.receiver)
-        result = receive_handoff(model, stamped, "timed")
+        result = receive_handoff(model, stamped, Transfer("timed"))
     sizes = dict(stamped.landed)
     after_plan = sum(n for name, n in stamped.landed if name != "plan")
     if kind == "bf16_transfer":  # copying BF16 layers is not computing: all of it counts
@@ -180,14 +185,15 @@ def test_a_cache_allocated_ahead_must_fit_the_plan(smollm_bf16, tokenizer):
     for action in (Action("int8", 11, model.shape.num_layers), Action.token_only(30)):
         with InProcessLink() as link:
             link.receiver.open("ahead")
-            send_handoff(link.sender, "ahead", action, model.shape, ids, state)
-            result = receive_handoff(model, link.receiver, "ahead", extra_capacity=4,
-                                     prompt_len=len(ids))
+            send_handoff(link.sender, *planned(model, ids, action, state), Transfer("ahead"))
+            result = receive_handoff(model, link.receiver, Transfer("ahead"),
+                                     receiving=Receiving(prompt_len=len(ids), extra_capacity=4))
         assert result.cache.capacity == len(ids) + 4 and result.cache.length == len(ids)
         assert torch.equal(result.cache.layer(29)[0], state.keys[29])
     with InProcessLink() as link:
         link.receiver.open("short")
-        send_handoff(link.sender, "short", action, model.shape, ids, state)
+        send_handoff(link.sender, *planned(model, ids, action, state), Transfer("short"))
         with pytest.raises(TransportError, match="plan"):
-            receive_handoff(model, link.receiver, "short", prompt_len=len(ids) - 1)
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+            receive_handoff(model, link.receiver, Transfer("short"),
+                            receiving=Receiving(prompt_len=len(ids) - 1))
+        assert link.receiver.pending().idle

@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from rekv_core.codecs import CorruptPayloadError, EncodedKV, HadamardInt4Codec, get_codec
-from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
-from rekv_core.handoff import sender as sender_module
+from rekv_core.handoff import Action, Sealing, receive_handoff, send_handoff, wire_bytes
 from rekv_core.handoff.seal import MAC_BYTES, SealError, new_key
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer, TransferState
@@ -33,6 +32,7 @@ from rekv_core.model.weights import synthetic_weights
 from rekv_core.plan.gate import reconstructed_cache
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import planned
 
 SHAPE = ModelShape(name="tiny-codecs", family="qwen2", num_layers=6, hidden_size=128,
                    num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=256, vocab_size=512,
@@ -72,6 +72,7 @@ def _run(model, ids, action, state, key=None, fault=None, transfer=None, codec=N
     """One handoff over an in-process link: (sender's report, receiver's result, the messages as
     they left the wire). The receiver's error propagates; a sender's error fails the test."""
     seen, reports, errors = [], [], []
+    plan, source = planned(model, ids, action, state, codec=codec)
 
     def observe(message):
         seen.append(message)
@@ -82,8 +83,8 @@ def _run(model, ids, action, state, key=None, fault=None, transfer=None, codec=N
 
         def send():
             try:
-                reports.append(send_handoff(link.sender, "r", action, model.shape, ids, state,
-                                            key=key, codec=codec))
+                reports.append(send_handoff(link.sender, plan, source, Transfer("r"),
+                                            Sealing(key)))
             except Exception as exc:  # noqa: BLE001 - surfaced by the test
                 errors.append(exc)
             finally:
@@ -93,11 +94,11 @@ def _run(model, ids, action, state, key=None, fault=None, transfer=None, codec=N
         thread = threading.Thread(target=send, name="rekv-test-sender")
         thread.start()
         try:
-            result = receive_handoff(model, link.receiver, "r", timeout=30, key=key,
-                                     transfer=transfer)
+            result = receive_handoff(model, link.receiver,
+                                     transfer or Transfer("r", stall_s=30), Sealing(key))
         finally:
             thread.join()
-            assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+            assert link.receiver.pending().idle
     assert not errors, errors
     return reports[0], result, seen
 
@@ -115,7 +116,7 @@ def test_splitzip_is_lossless_through_a_handoff(model, streamed, cut):
     runs = {codec: _run(model, ids, Action(codec, cut, L), _source(model, ids, cut, streamed))
             for codec in ("bf16", "splitzip")}
     report, result, seen = runs["splitzip"]
-    assert result.cache.length == S and result.streamed == streamed
+    assert result.cache.length == S and result.plan.streamed == streamed
     for layer in range(L):
         k, v = result.cache.layer(layer)
         assert _same_bits(k, ref.keys[layer]), f"K of layer {layer}"
@@ -218,14 +219,14 @@ def test_spectrum_without_importance_fails_by_name_and_leaves_no_cache(model, st
     with InProcessLink(fault=lambda m: delivered.append(m.name) or [m]) as link:
         link.receiver.open("r")
         with pytest.raises(ValueError, match="token_importance"):
-            send_handoff(link.sender, "r", Action("spectrum30", CUT, L), model.shape, ids, state,
-                         transfer=sent)
+            send_handoff(link.sender, *planned(model, ids, Action("spectrum30", CUT, L), state),
+                         sent)
         assert sent.state is TransferState.FAILED and "token_importance" in sent.failure
         # nothing tells the decode side: it waits out its stall limit and keeps no cache
         with pytest.raises(TimeoutError):
-            receive_handoff(model, link.receiver, "r", transfer=received)
+            receive_handoff(model, link.receiver, received)
         assert received.state is TransferState.FAILED
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert link.receiver.pending().idle
     assert delivered[0] == "plan"
     assert not any(name.startswith("layer.") for name in delivered), delivered
 
@@ -249,16 +250,14 @@ def test_int4h_is_its_own_round_trip(model, streamed, cut):
     assert (report.bytes.prefix, report.bytes.scales) == (planned.prefix, planned.scales)
 
 
-def test_int4h_decodes_with_the_rotation_in_the_header(model, monkeypatch):
+def test_int4h_decodes_with_the_rotation_in_the_header(model):
     """A sender rotating only K in blocks of 8: the receiver's own codec (K and V, blocks of 32)
     follows the header, not its settings."""
     sent_codec = HadamardInt4Codec(rotate="k", block=8)
-    real = sender_module.get_codec
-    monkeypatch.setattr(sender_module, "get_codec",
-                        lambda name: sent_codec if name == "int4h" else real(name))
     ids = _ids(seed=8)
     ref = prefill(model, ids)
-    _, result, seen = _run(model, ids, Action("int4h", CUT, L), _source(model, ids, CUT, True))
+    _, result, seen = _run(model, ids, Action("int4h", CUT, L), _source(model, ids, CUT, True),
+                           codec=sent_codec)
     assert _layer_metas(seen) == [{"block": 8, "rotate": "k"}] * CUT
     own = get_codec("int4h")
     for layer in range(CUT):

@@ -14,14 +14,17 @@ import pytest
 import torch
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff import (Action, ReceiveMode, Receiving, Sealing, receive_handoff,
+                               send_handoff, wire_bytes)
 from rekv_core.handoff.seal import new_key
 from rekv_core.handoff.source import ChunkedPrefill, LivePrefill
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import Model, prefill
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import planned
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
@@ -55,7 +58,7 @@ def _expected_layer(state, action: Action, layer: int):
     return codec.decode(codec.encode(k, v))
 
 
-def _handoff(model, ids, state, action, schedule, sender, receiver, request_id, streamed=False,
+def _handoff(model, ids, state, action, mode, sender, receiver, request_id, streamed=False,
              chunk_tokens=0, pipelined=False):
     receiver.open(request_id)
     errors = []
@@ -66,15 +69,16 @@ def _handoff(model, ids, state, action, schedule, sender, receiver, request_id, 
         if pipelined:
             source = ChunkedPrefill(model, ids, action.cut, chunk_tokens)
         try:
-            send_handoff(sender, request_id, action, model.shape, ids, source, key=key,
-                         chunk_tokens=chunk_tokens)
+            send_handoff(sender, *planned(model, ids, action, source, chunk_tokens),
+                         Transfer(request_id), Sealing(key))
         except Exception as exc:  # noqa: BLE001 - surfaced by the test
             errors.append(exc)
 
     thread = threading.Thread(target=send)
     thread.start()
     try:
-        return receive_handoff(model, receiver, request_id, schedule, timeout=60, key=key)
+        return receive_handoff(model, receiver, Transfer(request_id, stall_s=60), Sealing(key),
+                               Receiving(mode))
     finally:
         thread.join()
         assert not errors, errors
@@ -91,17 +95,17 @@ def _check(model, ids, state, action, result):
         assert torch.equal(result.logits, state.logits), str(action)
 
 
-@pytest.mark.parametrize("schedule", ["overlap", "sequential"])
-def test_every_action_is_exact_over_the_inprocess_link(setting, schedule):
+@pytest.mark.parametrize("mode", list(ReceiveMode))
+def test_every_action_is_exact_over_the_inprocess_link(setting, mode):
     model, ids, state = setting
     # a finite rate keeps messages on the wire while the suffix computes
     link_gbps = 400.0 if model.device.type == "cuda" else None
     with InProcessLink(bandwidth_gbps=link_gbps) as link:
         for n, action in enumerate(_actions(model.shape.num_layers)):
-            result = _handoff(model, ids, state, action, schedule, link.sender, link.receiver,
-                              f"{schedule}-{n}")
+            result = _handoff(model, ids, state, action, mode, link.sender, link.receiver,
+                              f"{mode.value}-{n}")
             _check(model, ids, state, action, result)
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert link.receiver.pending().idle
 
 
 def test_every_action_is_exact_streamed_with_a_chunked_boundary(setting):
@@ -111,11 +115,11 @@ def test_every_action_is_exact_streamed_with_a_chunked_boundary(setting):
     link_gbps = 400.0 if model.device.type == "cuda" else None
     with InProcessLink(bandwidth_gbps=link_gbps) as link:
         for n, action in enumerate(_actions(model.shape.num_layers)):
-            result = _handoff(model, ids, state, action, "overlap", link.sender, link.receiver,
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender, link.receiver,
                               f"streamed-{n}", streamed=True, chunk_tokens=EXEC_BLOCK)
-            assert result.streamed
+            assert result.plan.streamed
             _check(model, ids, state, action, result)
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert link.receiver.pending().idle
 
 
 def test_every_interior_cut_is_exact_pipelined(setting):
@@ -127,11 +131,11 @@ def test_every_interior_cut_is_exact_pipelined(setting):
     L = model.shape.num_layers
     with InProcessLink(bandwidth_gbps=link_gbps) as link:
         for n, action in enumerate(a for a in _actions(L) if 0 < a.cut < L):
-            result = _handoff(model, ids, state, action, "overlap", link.sender, link.receiver,
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender, link.receiver,
                               f"pipelined-{n}", chunk_tokens=EXEC_BLOCK, pipelined=True)
-            assert result.pipelined
+            assert result.plan.pipelined
             _check(model, ids, state, action, result)
-        assert link.receiver.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert link.receiver.pending().idle
 
 
 def test_every_action_is_exact_over_ucx(setting):
@@ -144,7 +148,7 @@ def test_every_action_is_exact_over_ucx(setting):
     sender = UcxSender(engine, receiver.address)
     try:
         for n, action in enumerate(_actions(model.shape.num_layers)):
-            result = _handoff(model, ids, state, action, "overlap", sender, receiver, f"ucx-{n}")
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, sender, receiver, f"ucx-{n}")
             _check(model, ids, state, action, result)
     finally:
         sender.shutdown()

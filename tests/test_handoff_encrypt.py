@@ -229,9 +229,11 @@ def test_older_cryptography_without_encrypt_into_gives_the_same_bytes(monkeypatc
 def _handoff(model, action, send_encrypted: bool, receive_encrypted: bool):
     import threading
 
-    from rekv_core.handoff import receive_handoff, send_handoff
+    from rekv_core.handoff import Sealing, receive_handoff, send_handoff
+    from rekv_core.handoff.transfer import Transfer
     from rekv_core.model import prefill
     from rekv_core.transport.inprocess import InProcessLink
+    from tests.inprocess_handoff import planned
 
     ids = list(range(1, 41))
     state, key = prefill(model, ids), new_key()
@@ -240,16 +242,16 @@ def _handoff(model, action, send_encrypted: bool, receive_encrypted: bool):
 
         def send():
             try:
-                send_handoff(link.sender, "enc", action, model.shape, ids, state, key=key,
-                             encrypted=send_encrypted, flush_timeout=3.0)
+                send_handoff(link.sender, *planned(model, ids, action, state),
+                             Transfer("enc", stall_s=3.0), Sealing(key, send_encrypted))
             except Exception:  # noqa: BLE001 - the receiver's outcome is what is tested
                 pass
 
         thread = threading.Thread(target=send)
         thread.start()
         try:
-            return state, receive_handoff(model, link.receiver, "enc", timeout=3.0, key=key,
-                                          encrypted=receive_encrypted)
+            return state, receive_handoff(model, link.receiver, Transfer("enc", stall_s=3.0),
+                                          Sealing(key, receive_encrypted))
         finally:
             thread.join()
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, Schedule, send_handoff, wire_bytes
+from rekv_core.handoff import (Action, Delivery, HandoffPlan, Order, ReceiveMode, Receiving,
+                               send_handoff, wire_bytes)
 from rekv_core.handoff.seal import SealError, new_key
 from rekv_core.handoff.source import ChunkedPrefill
-from rekv_core.handoff.wire import Plan
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import executor, prefill
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
@@ -28,11 +29,11 @@ def _ids(n, seed=0):
     return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _pipelined(model, ids, action, chunk_tokens, schedule="overlap", on_done=None, hooks=None,
-               fault=None):
+def _pipelined(model, ids, action, chunk_tokens, mode=ReceiveMode.OVERLAP, on_done=None,
+               hooks=None, fault=None):
     source = ChunkedPrefill(model, ids, action.cut, chunk_tokens, on_done=on_done)
-    result, errors = run_handoff(model, ids, action, source, chunk_tokens, schedule, hooks=hooks,
-                                 fault=fault)
+    result, errors = run_handoff(model, ids, action, source, chunk_tokens, Receiving(mode),
+                                 hooks=hooks, fault=fault)
     return source, result, errors
 
 
@@ -47,10 +48,10 @@ def test_pipelined_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk, se
     action = Action(codec, cut, L)
     ref = prefill(model, ids)
     codec_ = get_codec(codec)
-    for schedule in ("overlap", "sequential") if codec == "int8" else ("overlap",):
-        _, result, errors = _pipelined(model, ids, action, chunk, schedule)
+    for mode in list(ReceiveMode) if codec == "int8" else [ReceiveMode.OVERLAP]:
+        _, result, errors = _pipelined(model, ids, action, chunk, mode)
         assert not errors
-        assert result.streamed
+        assert result.plan.streamed
         if codec_.lossless:
             assert result.bytes.prefix + result.bytes.scales > 0
         else:  # same bytes as the layers whole: the groups lie along head_dim
@@ -108,21 +109,21 @@ def test_what_cannot_be_pipelined_is_refused(smollm_bf16):
             ChunkedPrefill(model, _ids(300), cut, 256)
     with pytest.raises(ValueError, match="chunk_tokens"):
         ChunkedPrefill(model, _ids(300), 5, 0)
+    tokens = Delivery(streamed=True, chunk_tokens=256, order=Order.TOKENS)
     with pytest.raises(ValueError, match="pipelined"):
-        Schedule(streamed=False, chunk_tokens=256, pipelined=True)
+        Delivery(streamed=False, chunk_tokens=256, order=Order.TOKENS)
     with pytest.raises(ValueError, match="pipelined"):
-        Schedule(streamed=True, chunk_tokens=0, pipelined=True)
+        Delivery(streamed=True, chunk_tokens=0, order=Order.TOKENS)
     with pytest.raises(ValueError, match="pipelined"):
-        Plan.of(Action("bf16", L, L), model.shape, 300, streamed=True, chunk_tokens=256,
-                pipelined=True)
+        HandoffPlan(Action("bf16", L, L), 300, model.shape, tokens)
+    with pytest.raises(ValueError, match="codec: spectrum30"):
+        HandoffPlan(Action("spectrum30", 5, L), 600, model.shape, tokens)
     with InProcessLink() as link:
         link.receiver.open("r")
-        with pytest.raises(ValueError, match="codec: spectrum30"):
-            send_handoff(link.sender, "r", Action("spectrum30", 5, L), model.shape, _ids(600),
-                         ChunkedPrefill(model, _ids(600), 5, 256), chunk_tokens=256)
+        wider = Delivery(streamed=True, chunk_tokens=512, order=Order.TOKENS)
         with pytest.raises(ValueError, match="boundary's chunks"):
-            send_handoff(link.sender, "r", Action("bf16", 5, L), model.shape, _ids(600),
-                         ChunkedPrefill(model, _ids(600), 5, 256), chunk_tokens=512)
+            send_handoff(link.sender, HandoffPlan(Action("bf16", 5, L), 600, model.shape, wider),
+                         ChunkedPrefill(model, _ids(600), 5, 256), Transfer("r"))
 
 
 def test_a_layers_rows_out_of_order_are_refused(smollm_bf16):
@@ -147,7 +148,7 @@ def test_a_pipelined_handoff_is_sealed_and_encrypted_like_any_other(smollm_bf16)
     ref = prefill(model, ids)
     result, errors = run_handoff(model, ids, action, ChunkedPrefill(model, ids, 12, 256), 256,
                                  key=key, encrypted=True)
-    assert not errors and result.pipelined
+    assert not errors and result.plan.pipelined
     assert torch.equal(result.logits, ref.logits)
     k, v = result.cache.layer(5)
     assert torch.equal(k, ref.keys[5]) and torch.equal(v, ref.values[5])

@@ -7,26 +7,29 @@ import threading
 import pytest
 import torch
 
-from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff import Action, Sealing, receive_handoff, send_handoff
 from rekv_core.handoff.seal import SealError, new_key
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.transport import Message, TransportError
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import planned
 
 IDS = list(range(1, 41))
 
 
 def _run(model, action, send_key, receive_key, fault=None, request_id="r1", state=None):
     state = state or prefill(model, IDS)
+    plan, source = planned(model, IDS, action, state)
+    sealing = Sealing(send_key)  # a bad key is refused here, naming it
     with InProcessLink(fault=fault) as link:
         link.receiver.open(request_id)
-        thread = threading.Thread(target=lambda: _quiet(send_handoff, link.sender, request_id,
-                                                        action, model.shape, IDS, state,
-                                                        key=send_key))
+        thread = threading.Thread(target=lambda: _quiet(send_handoff, link.sender, plan,
+                                                        source, Transfer(request_id), sealing))
         thread.start()
         try:
-            return state, receive_handoff(model, link.receiver, request_id, timeout=3.0,
-                                          key=receive_key)
+            return state, receive_handoff(model, link.receiver,
+                                          Transfer(request_id, stall_s=3.0), Sealing(receive_key))
         finally:
             thread.join()
 
@@ -94,13 +97,14 @@ def test_a_message_for_another_request_is_rejected(smollm_bf16):
     with InProcessLink(fault=misdirect) as link:
         state = prefill(smollm_bf16, IDS)
         link.receiver.open("r1")
+        plan, source = planned(smollm_bf16, IDS, Action("bf16", 12, L), state)
         thread = threading.Thread(target=lambda: _quiet(
-            send_handoff, link.sender, "elsewhere", Action("bf16", 12, L), smollm_bf16.shape,
-            IDS, state, key=key))
+            send_handoff, link.sender, plan, source, Transfer("elsewhere"), Sealing(key)))
         thread.start()
         try:
             with pytest.raises(SealError, match="MAC"):
-                receive_handoff(smollm_bf16, link.receiver, "r1", timeout=3, key=key)
+                receive_handoff(smollm_bf16, link.receiver, Transfer("r1", stall_s=3),
+                                Sealing(key))
         finally:
             thread.join()
 

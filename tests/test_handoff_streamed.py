@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, receive_handoff, send_handoff, wire_bytes
+from rekv_core.handoff import (Action, Delivery, ReceiveMode, Receiving, receive_handoff,
+                               send_handoff, wire_bytes)
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer, TransferCancelled
-from rekv_core.handoff.wire import Plan
 from rekv_core.model import KVCache, executor, prefill, run_layers, run_layers_chunk
 from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.executor import final_logits
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import MessageNames, run_handoff
+from tests.inprocess_handoff import MessageNames, planned, run_handoff
 
 
 def test_chunk_bounds():
@@ -33,13 +33,7 @@ def test_chunk_bounds():
     with pytest.raises(ValueError, match="chunk_tokens"):
         chunk_bounds(700, 100)
     with pytest.raises(ValueError, match="chunk_tokens"):
-        Plan.of(Action("bf16", 3, 30), executor_shape(), 700, chunk_tokens=300)
-
-
-def executor_shape():
-    from rekv_core.model import get_preset
-
-    return get_preset("smollm2-135m")
+        Delivery(chunk_tokens=300)
 
 
 def _ids(n, seed=0):
@@ -87,11 +81,11 @@ def test_a_prefill_in_token_chunks_up_to_the_cut_is_bit_identical(smollm_fp32, s
         run_layers_chunk(model, executor.embed(model, ids[:8]), 0, 0, cache, stop=L + 1)
 
 
-def _streamed(model, ids, action, chunk_tokens=0, schedule="overlap", on_done=None,
+def _streamed(model, ids, action, chunk_tokens=0, mode=ReceiveMode.OVERLAP, on_done=None,
               transfer=None, hooks=None):
     source = LivePrefill(model, ids, action.cut, on_done=on_done)
-    result, errors = run_handoff(model, ids, action, source, chunk_tokens, schedule, transfer,
-                                 hooks)
+    result, errors = run_handoff(model, ids, action, source, chunk_tokens, Receiving(mode),
+                                 transfer, hooks)
     return source, result, errors
 
 
@@ -104,8 +98,8 @@ def test_streamed_handoff_rebuilds_the_cache(smollm_bf16, codec, cut, chunk):
     ids = _ids(520, seed=cut)  # two boundary chunks of 256
     action = Action(codec, cut, L)
     ref = prefill(model, ids)
-    for schedule in ("overlap", "sequential") if codec == "int8" and chunk else ("overlap",):
-        source, result, errors = _streamed(model, ids, action, chunk, schedule)
+    for mode in list(ReceiveMode) if codec == "int8" and chunk else [ReceiveMode.OVERLAP]:
+        source, result, errors = _streamed(model, ids, action, chunk, mode)
         assert not errors
         assert result.bytes == wire_bytes(action, model.shape, len(ids))
         codec_ = get_codec(codec)
@@ -180,8 +174,8 @@ def test_the_compute_is_released_once_when_the_send_fails(smollm_fp32):
             link.receiver.open("r")
             source = LivePrefill(model, _ids(200), 10, on_done=lambda: released.append(1))
             try:
-                send_handoff(link.sender, "r", Action("int8", 10, L), model.shape, _ids(200),
-                             source, transfer=transfer)
+                send_handoff(link.sender, *planned(model, _ids(200), Action("int8", 10, L),
+                                                   source), transfer)
             finally:
                 source.close()
                 source.close()
@@ -201,9 +195,10 @@ def test_messages_out_of_their_kinds_order_are_refused(smollm_fp32):
 
     with InProcessLink(fault=swap_layers) as link:
         link.receiver.open("r")
-        sender = threading.Thread(target=lambda: send_handoff(
-            link.sender, "r", Action("bf16", 5, L), model.shape, ids, state, chunk_tokens=256))
+        plan, source = planned(model, ids, Action("bf16", 5, L), state, chunk_tokens=256)
+        sender = threading.Thread(target=lambda: send_handoff(link.sender, plan, source,
+                                                              Transfer("r")))
         sender.start()
         with pytest.raises(TransportError, match="unexpected message 'layer.1'"):
-            receive_handoff(model, link.receiver, "r", timeout=10)
+            receive_handoff(model, link.receiver, Transfer("r", stall_s=10))
         sender.join()

@@ -4,19 +4,21 @@ import dataclasses
 
 import pytest
 
-from rekv_core.handoff import Action
+from rekv_core.handoff import Action, Order
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs, choose, predict
+from rekv_core.plan.calibration import codec_costs
 from rekv_core.plan.estimates import LayerCost, LinkEstimate
 
 SHAPE = get_preset("smollm2-135m")
 L = SHAPE.num_layers
+LAYERS, TOKENS, EITHER = frozenset({Order.LAYERS}), frozenset({Order.TOKENS}), frozenset(Order)
 
 
 def _inputs(gbps, gamma=2.0, S=2048):
-    return CostInputs(SHAPE, S, gbps, gamma, {"bf16": 0.0, "int8": 0.5},
-                      {"bf16": 0.01, "int8": 0.01}, 1.0)
+    return CostInputs(SHAPE, S, gbps, gamma, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                         {"bf16": 0.01, "int8": 0.01}), 1.0)
 
 
 def test_prediction_follows_the_byte_model_and_eq9():
@@ -45,12 +47,13 @@ def test_choice_moves_with_the_link():
 
 
 def test_link_estimate_moves_with_observed_transfers():
-    link = LinkEstimate(10.0, min_bytes=1000)
-    assert link.gbps == 10.0
+    link = LinkEstimate(min_bytes=1000)
+    assert link.gbps is None and not link.measured and link.or_prior(10.0) == 10.0
     link.observe(500, 1.0)  # too small to say anything about the rate
-    assert link.gbps == 10.0
+    assert link.gbps is None and not link.measured
     link.observe(125_000_000, 1.0)  # 1 Gb/s
-    assert link.gbps == pytest.approx(1.0)
+    assert link.gbps == pytest.approx(1.0) and link.measured
+    assert link.or_prior(10.0) == pytest.approx(1.0)
     for _ in range(10):
         link.observe(250_000_000, 1.0)
     assert link.gbps == pytest.approx(2.0)
@@ -73,8 +76,8 @@ def test_layer_cost_interpolates_and_grows_beyond_the_profile():
 
 def test_per_message_cost_favours_fewer_messages():
     base = _inputs(10.0, gamma=2.0, S=256)
-    costly = CostInputs(SHAPE, 256, 10.0, 2.0, {"bf16": 0.0, "int8": 0.5},
-                        {"bf16": 0.01, "int8": 0.01}, 1.0, message_ms=3.0)
+    costly = CostInputs(SHAPE, 256, 10.0, 2.0, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                           {"bf16": 0.01, "int8": 0.01}), 1.0, message_ms=3.0)
     joint = Action("int8", 20, L)
     assert predict(joint, costly).x_ms == pytest.approx(predict(joint, base).x_ms + 20 * 3.0)
     assert predict(joint, costly).h_ms == pytest.approx(predict(joint, base).h_ms + 3.0)
@@ -85,10 +88,11 @@ def test_per_message_cost_favours_fewer_messages():
 
 def test_restore_is_charged_per_codec():
     """Each codec's prefix pays its own restore cost, not the slowest codec's."""
-    cheap_int4 = CostInputs(SHAPE, 2048, 1.0, 2.0, {"int8": 0.5, "int4": 0.5},
-                            {"int8": 2.0, "int4": 0.1}, 1.0)
+    cheap_int4 = CostInputs(SHAPE, 2048, 1.0, 2.0, codec_costs({"int8": 0.5, "int4": 0.5},
+                                                               {"int8": 2.0, "int4": 0.1}), 1.0)
     layer_mib = SHAPE.kv_layer_bytes(2048) / 2**20
-    free = dataclasses.replace(cheap_int4, restore_ms_per_mib={})
+    free = dataclasses.replace(cheap_int4, codec_costs=codec_costs({"int8": 0.5, "int4": 0.5},
+                                                                   {}))
     for codec, per_mib in (("int8", 2.0), ("int4", 0.1)):
         action = Action(codec, 12, L)
         extra = predict(action, cheap_int4).x_ms - predict(action, free).x_ms
@@ -231,11 +235,10 @@ def test_a_pipelined_prefill_shares_the_prompt_between_the_two_workers():
     """Token order on a free link with free codecs: the prefill's c layers and the decode side's
     L − c run on different chunks at once, so with n chunks and equal halves the critical path is
     (n + 1) chunk-halves, (n + 1)/(2n) of the layer order's L·γ."""
-    free = dataclasses.replace(_streamed(1e6, chunk=256), quantize_ms_per_mib={},
-                               restore_ms_per_mib={}, order="tokens")
+    free = dataclasses.replace(_streamed(1e6, chunk=256), codec_costs={}, orders=TOKENS)
     action = Action("bf16", L // 2, L)
     tokens = predict(action, free)
-    layers = predict(action, dataclasses.replace(free, order="layers"))
+    layers = predict(action, dataclasses.replace(free, orders=LAYERS))
     assert tokens.pipelined and not layers.pipelined
     n = 2048 // 256
     half_chunk = (L // 2) * 2.0 / n
@@ -246,25 +249,27 @@ def test_a_pipelined_prefill_shares_the_prompt_between_the_two_workers():
 
 def test_the_order_goes_to_the_lesser_prediction_where_it_applies():
     for gbps in (0.05, 0.4, 10.0):
-        either = _streamed(gbps, chunk=256, order="either")
+        either = _streamed(gbps, chunk=256, orders=EITHER)
         for action in [Action("int8", c, L) for c in (1, 10, 20, 29)] + [Action("bf16", 15, L)]:
             best = predict(action, either)
-            tokens = predict(action, dataclasses.replace(either, order="tokens"))
-            layers = predict(action, dataclasses.replace(either, order="layers"))
+            tokens = predict(action, dataclasses.replace(either, orders=TOKENS))
+            layers = predict(action, dataclasses.replace(either, orders=LAYERS))
             assert best.total_ms == min(tokens.total_ms, layers.total_ms)
             assert best.pipelined == (tokens.total_ms < layers.total_ms)
-    tokens = _streamed(10.0, chunk=256, order="tokens")
+    tokens = _streamed(10.0, chunk=256, orders=TOKENS)
     for action in (Action.token_only(L), Action("int8", L, L), Action("spectrum30", 10, L)):
         assert not predict(action, tokens).pipelined  # not pipelinable: layer order
-    assert not predict(Action("int8", 10, L), _streamed(10.0, chunk=0, order="tokens")).pipelined
-    with pytest.raises(ValueError, match="order"):
-        _streamed(1.0, order="sideways")
+    assert not predict(Action("int8", 10, L), _streamed(10.0, chunk=0, orders=TOKENS)).pipelined
+    with pytest.raises(ValueError, match="orders"):
+        _streamed(1.0, orders=frozenset({"sideways"}))
+    with pytest.raises(ValueError, match="orders"):
+        _streamed(1.0, orders=frozenset())
 
 
 def test_a_slow_link_keeps_the_pipelined_prefix_on_the_critical_path():
     """Token order sends every prefix row after its chunk's boundary rows: on a link slower
     than the compute the prefix ends last, as it does in layer order."""
-    tokens = predict(Action("bf16", 10, L), _streamed(0.05, chunk=256, order="tokens"))
+    tokens = predict(Action("bf16", 10, L), _streamed(0.05, chunk=256, orders=TOKENS))
     prefix_ms = wire_bytes(Action("bf16", 10, L), SHAPE, 2048).total / (0.05e9 / 8 / 1e3)
     assert tokens.total_ms >= prefix_ms
 
@@ -272,12 +277,12 @@ def test_a_slow_link_keeps_the_pipelined_prefix_on_the_critical_path():
 def test_the_planner_says_when_it_pipelines():
     from rekv_core.plan.planner import Planner
 
-    fast = _streamed(10.0, chunk=256, order="either")
+    fast = _streamed(10.0, chunk=256, orders=EITHER)
     decision = Planner().decide(fast, ["bf16", "int8"])
     assert decision.pipelined and 0 < decision.action.cut < L
     assert decision.as_dict()["chosen"]["pipelined"] is True
     forced = Planner().decide(fast, ["bf16"], forced=Action("bf16", L, L))
     assert not forced.pipelined
-    layers = Planner().decide(dataclasses.replace(fast, order="layers"), ["bf16", "int8"])
+    layers = Planner().decide(dataclasses.replace(fast, orders=LAYERS), ["bf16", "int8"])
     assert not layers.pipelined
 

@@ -14,13 +14,15 @@ from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs
 from rekv_core.plan import planner as plan
 from rekv_core.plan import profile_cache as cache
-from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
+from rekv_core.plan.calibration import (DecodeCalibration, PrefillCalibration, Queues,
+                                        codec_costs)
 from rekv_core.plan.cost import choose, predict
 from rekv_core.plan.estimates import LayerCost
-from rekv_core.plan.planner import Evidence, Planner, Rule
+from rekv_core.plan.evidence import Evidence, Measured
+from rekv_core.plan.planner import Planner, Rule
 from rekv_core.plan.policy import shipped_policy
 from rekv_core.plan.profile import shipped_profile
-from rekv_core.plan.recent import Measured, RecentHandoffs
+from rekv_core.plan.recent import RecentHandoffs
 
 SHAPE = get_preset("smollm2-135m")
 L = SHAPE.num_layers
@@ -39,10 +41,12 @@ def _fresh_inputs(prompt_len, streamed, compute_scale=1.0, load=1) -> CostInputs
     layers = LayerCost(profile.layer_cost.lengths,
                        [ms * compute_scale for ms in profile.layer_cost.ms])
     costs = DecodeCalibration(SHAPE, layers, profile.restore_ms_per_mib).offer(prompt_len, load)
-    assert costs.link_gbps == 0.0  # unmeasured
+    assert costs.link_gbps is None  # unmeasured
     prefill = PrefillCalibration(profile.quantize_ms_per_mib, PRIOR_GBPS, layers)
-    return prefill.cost_inputs(SHAPE, prompt_len, costs, streamed, 256 if streamed else 0,
-                               decode_queue=load - 1)
+    inputs = prefill.cost_inputs(SHAPE, prompt_len, costs, streamed, 256 if streamed else 0,
+                                 load=Queues(decode_queue=load - 1))
+    assert not inputs.link_measured and inputs.link_gbps == PRIOR_GBPS
+    return dataclasses.replace(inputs, link_measured=True)  # what a planner trusting it sees
 
 
 def _cost(action, inputs):
@@ -63,6 +67,11 @@ def _worst_over_rates(action, inputs, planner):
     return to_best, to_bf16
 
 
+def unmeasured(inputs):
+    """`inputs` whose link rate is only a prior."""
+    return dataclasses.replace(inputs, link_measured=False)
+
+
 def test_the_first_choice_on_an_unmeasured_link_is_safe_at_every_rate():
     planner = Planner(shipped_policy("smollm2-135m"), explore_every=0)
     plain_worst = 0.0
@@ -72,7 +81,7 @@ def test_the_first_choice_on_an_unmeasured_link_is_safe_at_every_rate():
                 for prompt_len in (64, 256, 1024, 2048):
                     inputs = _fresh_inputs(prompt_len, streamed, compute_scale, load)
                     case = (compute_scale, streamed, load, prompt_len)
-                    safe = planner.decide(inputs, CODECS, link_measured=False)
+                    safe = planner.decide(unmeasured(inputs), CODECS)
                     assert safe.rule is Rule.UNMEASURED_LINK and not safe.forced
                     to_best, to_bf16 = _worst_over_rates(safe.action, inputs, planner)
                     assert to_best <= SAFE_FACTOR and to_bf16 <= SAFE_FACTOR, (case, safe.action)
@@ -89,8 +98,8 @@ def test_the_unmeasured_link_choice_samples_the_link_when_that_costs_little():
     for streamed in (False, True):
         for prompt_len in (256, 1024, 2048):
             inputs = _fresh_inputs(prompt_len, streamed, load=3)
-            decision = planner.decide(inputs, CODECS, link_measured=False)
-            worst = plan.worst_regret(decision.candidates, inputs, CODECS)
+            decision = planner.decide(unmeasured(inputs), CODECS)
+            worst = plan.worst_regret(decision.candidates, unmeasured(inputs), CODECS)
             least = min(worst.values())
             near = [a for a, w in worst.items()
                     if w <= least + plan.SAMPLE_SHARE * (least - 1) + 1e-9]
@@ -101,7 +110,7 @@ def test_the_unmeasured_link_choice_samples_the_link_when_that_costs_little():
     assert sampled >= 4  # the case this test is about does occur
     # token-only ahead everywhere: no regret, so no link sample is worth paying for
     inputs = _fresh_inputs(1024, streamed=True)
-    decision = planner.decide(inputs, CODECS, link_measured=False)
+    decision = planner.decide(unmeasured(inputs), CODECS)
     assert decision.action == Action.token_only(L)
     assert not plan.samples_link(decision.action, inputs)
 
@@ -109,7 +118,7 @@ def test_the_unmeasured_link_choice_samples_the_link_when_that_costs_little():
 def test_a_forced_action_is_kept_on_an_unmeasured_link():
     planner = Planner(shipped_policy("smollm2-135m"))
     inputs = _fresh_inputs(1024, streamed=False)
-    forced = planner.decide(inputs, CODECS, forced=Action.full_bf16(L), link_measured=False)
+    forced = planner.decide(unmeasured(inputs), CODECS, forced=Action.full_bf16(L))
     assert forced.action == Action.full_bf16(L) and forced.forced and forced.rule is Rule.FORCED
 
 
@@ -131,8 +140,8 @@ def test_the_first_handoff_of_an_action_is_not_its_measurement():
 
 def _exploring_world():
     """Inputs, the shipped policy and its allowed predictions, cheapest first."""
-    inputs = CostInputs(SHAPE, 2048, 0.4, 30.0, {"bf16": 0.0, "int8": 0.5},
-                        {"bf16": 0.01, "int8": 0.01}, 1.0)
+    inputs = CostInputs(SHAPE, 2048, 0.4, 30.0, codec_costs({"bf16": 0.0, "int8": 0.5},
+                                                            {"bf16": 0.01, "int8": 0.01}), 1.0)
     policy = shipped_policy("smollm2-135m")
     allowed = [p for p in choose(inputs, ["bf16", "int8"])
                if Planner(policy).allowed(p.action, inputs.prompt_len)]
@@ -302,21 +311,21 @@ def test_a_fresh_pair_settles_on_the_best_action_despite_the_prior_and_the_cold_
 
     world = _fresh_inputs(1024, streamed=False)
     planner = Planner(shipped_policy("smollm2-135m"), explore_every=0)
-    recent, link = RecentHandoffs(), LinkEstimate(PRIOR_GBPS, min_bytes=plan.LINK_SAMPLE_BYTES)
+    recent, link = RecentHandoffs(), LinkEstimate(min_bytes=plan.LINK_SAMPLE_BYTES)
     truth = dataclasses.replace(world, link_gbps=true_gbps)
     best = min(_cost(p.action, truth) for p in choose(truth, CODECS)
                if planner.allowed(p.action, 1024))
     seen, took = set(), []
     for _ in range(12):
-        inputs = dataclasses.replace(world, link_gbps=link.gbps)
-        decision = planner.decide(inputs, CODECS, Evidence(recent.corrections(link.gbps),
-                                                           recent.measured(1024, link.gbps)),
-                                  link_measured=link.samples > 0)
+        gbps = link.or_prior(PRIOR_GBPS)
+        inputs = dataclasses.replace(world, link_gbps=gbps, link_measured=link.measured)
+        decision = planner.decide(inputs, CODECS, Evidence(recent.corrections(gbps),
+                                                           recent.measured(1024, gbps)))
         ms = _cost(decision.action, truth) * (1 if decision.action in seen else 5)
         seen.add(decision.action)
         if plan.samples_link(decision.action, inputs):
             link.observe(plan.LINK_SAMPLE_BYTES, plan.LINK_SAMPLE_BYTES * 8 / (true_gbps * 1e9))
-        recent.observe(decision.action, 1024, decision.model_ms, ms, link.gbps)
+        recent.observe(decision.action, 1024, decision.model_ms, ms, link.or_prior(PRIOR_GBPS))
         took.append((decision.rule, _cost(decision.action, truth) / best))
     assert took[0][0] is Rule.UNMEASURED_LINK and took[0][1] <= SAFE_FACTOR
     assert took[1][0] is Rule.BEST  # planned on a measured link

@@ -13,6 +13,7 @@ from rekv_core.handoff.transfer import (Transfer, TransferBook, TransferCancelle
 from rekv_core.model import prefill
 from rekv_core.transport import SenderPool, TransportSender
 from rekv_core.transport.inprocess import InProcessLink
+from tests.inprocess_handoff import planned
 from services.admission import Admission
 from services.errors import ResourceExhausted
 
@@ -133,10 +134,10 @@ def test_a_handoff_nobody_sends_ends_at_its_deadline_not_its_stall_limit(smollm_
         transfer = Transfer("silent", deadline=time.monotonic() + 0.3, stall_s=60.0, book=book)
         began = time.monotonic()
         with pytest.raises(TimeoutError):
-            receive_handoff(smollm_bf16, link.receiver, "silent", transfer=transfer)
+            receive_handoff(smollm_bf16, link.receiver, transfer)
         assert time.monotonic() - began < 5.0
         assert transfer.state is TransferState.FAILED and book.count() == 0
-        assert link.receiver.pending()["open_requests"] == 0
+        assert link.receiver.pending().open_requests == 0
 
 
 def test_a_cancelled_send_stops_before_its_next_message_and_frees_it(smollm_bf16):
@@ -156,47 +157,20 @@ def test_a_cancelled_send_stops_before_its_next_message_and_frees_it(smollm_bf16
                     transfer.cancel()
 
         with pytest.raises(TransferCancelled):
-            send_handoff(link.sender, "r", action, model.shape, IDS, state, transfer=transfer,
+            send_handoff(link.sender, *planned(model, IDS, action, state), transfer,
                          hooks=CancelAfterBoundary())
         assert transfer.state is TransferState.FAILED
         link.receiver.abort("r")
         deadline = time.monotonic() + 5  # the link's thread delivers what was already posted
-        while link.sender.pending()["in_flight_messages"] and time.monotonic() < deadline:
+        while link.sender.pending().in_flight_messages and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert link.sender.pending()["in_flight_messages"] == 0
+        assert link.sender.pending().in_flight_messages == 0
 
 
 def test_an_untrusted_prediction_leaves_the_deadline_alone():
     transfer = Transfer("cold", stall_s=7.0, trust_predictions=False)
     transfer.expect_within(0.0)
     assert transfer.deadline is None and transfer.wait_s() == 7.0
-
-
-def test_the_decode_worker_counts_as_computing_only_what_runs_on_it():
-    """The load a decode worker reports: requests generating, handoffs running their suffix or
-    a token-only recompute, and local recomputes after a failed handoff; a handoff still waiting
-    for its data is not compute load."""
-    from types import SimpleNamespace
-
-    from services.decode.worker import DecodeWorker
-
-    book = TransferBook()
-    worker = SimpleNamespace(generating=2, transfers=book, recomputing={})
-    waiting = Transfer("waiting", book=book)
-    waiting.advance(TransferState.BOUNDARY)
-    assert DecodeWorker.computing(worker) == 2
-    suffix = Transfer("suffix", book=book)
-    suffix.advance(TransferState.BOUNDARY)
-    suffix.advance(TransferState.PREFIX)
-    recompute = Transfer("recompute", book=book)
-    recompute.advance(TransferState.BOUNDARY)
-    recompute.advance(TransferState.JOINING)
-    assert DecodeWorker.computing(worker) == 4
-    suffix.advance(TransferState.JOINING)
-    suffix.advance(TransferState.DONE)
-    assert DecodeWorker.computing(worker) == 3
-    worker.recomputing[0] = (0.0, 100.0)
-    assert DecodeWorker.computing(worker) == 4
 
 
 def test_the_book_remembers_which_transfers_ended_and_when():
@@ -212,27 +186,3 @@ def test_the_book_remembers_which_transfers_ended_and_when():
     third.advance(TransferState.DONE)
     assert book.left_since(before) == ["failed", "third"]  # the last `remember` of them
     assert [t.transfer_id for t in book.live()] == ["live"]
-
-
-def test_a_chunked_suffix_counts_only_the_time_it_computed(monkeypatch):
-    """A pipelined suffix waits for each boundary chunk between its computes: the work a decode
-    worker reports as still ahead must not shrink while it waits (it made that worker look idle
-    under load, and the planner sent it more layers than it could take)."""
-    clock = [100.0]
-    monkeypatch.setattr("rekv_core.handoff.transfer.time.monotonic", lambda: clock[0])
-    transfer = Transfer("chunked")
-    assert transfer.computed_s() is None  # not begun
-    transfer.advance(TransferState.PREFIX)
-    clock[0] += 1.0
-    assert transfer.computed_s() == pytest.approx(1.0)  # untimed: all the time since it began
-    transfer.compute(True)
-    clock[0] += 0.3
-    transfer.compute(False)
-    clock[0] += 2.0  # waiting for the next chunk: nothing computed
-    assert transfer.computed_s() == pytest.approx(0.3)
-    transfer.compute(True)
-    clock[0] += 0.2
-    assert transfer.computed_s() == pytest.approx(0.5)  # the running chunk counts as it runs
-    transfer.compute(False)
-    transfer.compute(False)  # idempotent
-    assert transfer.computed_s() == pytest.approx(0.5)

@@ -10,9 +10,9 @@ import threading
 import pytest
 import torch
 
-from rekv_core.transport import (TRANSPORTS, Message, ReceiveState, SenderPool, TransportError,
-                                 TransportOptions, TransportSender, create_receiver,
-                                 create_sender_pool)
+from rekv_core.transport import (TRANSPORTS, Message, Pending, ReceiveState, SenderPool,
+                                 TransportError, TransportOptions, TransportSender,
+                                 create_receiver, create_sender_pool)
 from rekv_core.transport.pacing import PacedSender
 
 
@@ -33,8 +33,8 @@ def _round_trip(receiver, pool, request_id, sizes):
     receiver.close(request_id)
     assert [(g.seq, g.name, g.header) for g in got] == [(m.seq, m.name, m.header) for m in sent]
     assert all(torch.equal(g.buffers["data"], m.buffers["data"]) for g, m in zip(got, sent))
-    assert pool.pending() == {"in_flight_messages": 0}
-    assert not any(receiver.pending().values())
+    assert pool.pending().idle
+    assert receiver.pending().idle
 
 
 def _threads(name):
@@ -87,7 +87,7 @@ def test_each_inprocess_receiver_has_its_own_address():
         assert first.address != second.address
         assert pool.to(first.address) is not pool.to(second.address)
         _round_trip(second, pool, "b", [8, 8])
-        assert first.pending() == {"open_requests": 0, "buffered_messages": 0}
+        assert first.pending().idle
     finally:
         pool.shutdown()
         first.shutdown()
@@ -159,7 +159,7 @@ class _Sender(TransportSender):
     def flush(self, request_id, timeout=None): ...
 
     def pending(self):
-        return {"in_flight_messages": 2}
+        return Pending(in_flight_messages=2)
 
     def shutdown(self):
         self.shut = True
@@ -175,14 +175,14 @@ class _Pool(SenderPool):
 def test_pool_shutdown_logs_a_gone_peer_and_shuts_the_others(caplog):
     pool = _Pool()
     gone, alive = pool.to("gone:1"), pool.to("alive:2")
-    assert pool.pending() == {"in_flight_messages": 4}
+    assert pool.pending().in_flight_messages == 4
     with caplog.at_level(logging.WARNING, logger="rekv_core.transport.base"):
         pool.shutdown()
     assert gone.shut and alive.shut
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "gone:1" in caplog.records[0].getMessage()
     assert "peer gone" in caplog.records[0].getMessage()
-    assert pool.pending() == {"in_flight_messages": 0}
+    assert pool.pending().idle
     with pytest.raises(TransportError, match="shut down"):
         pool.to("alive:2")
 

@@ -38,7 +38,7 @@ def test_messages_are_held_as_long_as_the_link_needs_and_stay_in_order():
             sender.send(m)
         sender.flush("a", timeout=10)
         assert len(delivered) == 4  # flush waited for every message to cross
-        assert sender.pending() == {"in_flight_messages": 0}
+        assert sender.pending().idle
         for k, (at, seq) in enumerate(delivered):
             assert seq == k
             assert at - start >= (k + 1) * per_message - TOLERANCE, (k, at - start)
@@ -56,12 +56,12 @@ def test_send_returns_before_the_hold_and_shutdown_fails_held_flushes():
         link.receiver.open("a")
         sender.send(_msg("a", 0, MIB))
         sender.send(_msg("a", 1, 16))
-        assert sender.pending() == {"in_flight_messages": 2}
-        assert link.sender.pending() == {"in_flight_messages": 0}  # nothing forwarded yet
-        assert link.receiver.pending()["buffered_messages"] == 0
+        assert sender.pending().in_flight_messages == 2
+        assert link.sender.pending().idle  # nothing forwarded yet
+        assert link.receiver.pending().buffered_messages == 0
         with pytest.raises(TimeoutError, match="request a: messages still on the wire after"):
             sender.flush("a", timeout=0.05)
-        assert sender.pending() == {"in_flight_messages": 0}  # the flush gave "a" up
+        assert sender.pending().idle  # the flush gave "a" up
         sender.send(_msg("b", 0, MIB))
         sender.shutdown()
         sender.shutdown()
@@ -69,8 +69,8 @@ def test_send_returns_before_the_hold_and_shutdown_fails_held_flushes():
             sender.flush("b", timeout=1)
         with pytest.raises(TransportError, match="shut down"):
             sender.send(_msg("a", 2, 16))
-        assert sender.pending() == {"in_flight_messages": 0}
-        assert link.receiver.pending()["buffered_messages"] == 0  # the held ones were dropped
+        assert sender.pending().idle
+        assert link.receiver.pending().buffered_messages == 0  # the held ones were dropped
 
 
 class _Recorder(TransportSender):
@@ -146,7 +146,7 @@ def test_a_flush_that_gives_up_drops_what_is_still_held():
         sender.send(_msg("next", 0, MIB))
         sender.flush("next", timeout=10)
         time.sleep(0.1)  # anything of "late" still held would have left by now
-        assert link.receiver.pending()["buffered_messages"] <= 1 + 1  # "late"'s first, "next"
-        assert sender.pending() == {"in_flight_messages": 0}
+        assert link.receiver.pending().buffered_messages <= 1 + 1  # "late"'s first, "next"
+        assert sender.pending().idle
         assert link.receiver.recv("next", timeout=1).seq == 0
         sender.shutdown()

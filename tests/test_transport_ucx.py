@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.transport import Message, TransportError
 from rekv_core.transport.arrivals import link_sample
 from rekv_core.transport.pacing import PacedSender
 from rekv_core.transport.ucx import (UcxEngine, UcxReceiver, UcxSender, UcxSenderPool,
                                     message_tag)
+from tests.inprocess_handoff import planned
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def test_messages_arrive_whole_and_in_order(ucx):
         assert torch.equal(g.buffers["data"], m.buffers["data"])
         assert g.buffers["empty"].numel() == 0
     receiver.close("a")
-    assert receiver.pending()["open_requests"] == 0
-    assert sender.pending() == {"in_flight_messages": 0}
+    assert receiver.pending().open_requests == 0
+    assert sender.pending().idle
 
 
 def test_messages_are_received_ahead_of_the_consumer(ucx):
@@ -68,16 +70,15 @@ def test_messages_are_received_ahead_of_the_consumer(ucx):
         sender.send(m)
     sender.flush("ahead", timeout=10)
     for _ in range(100):  # the last receive completes a moment after the sender's side
-        if receiver.pending()["buffered_messages"] == 3:
+        if receiver.pending().buffered_messages == 3:
             break
         threading.Event().wait(0.02)
-    assert receiver.pending()["buffered_messages"] == 3
+    assert receiver.pending().buffered_messages == 3
     got = [receiver.recv("ahead", timeout=10) for _ in range(3)]
     assert [g.seq for g in got] == [0, 1, 2]
     assert all(torch.equal(g.buffers["data"], m.buffers["data"]) for g, m in zip(got, sent))
     receiver.close("ahead")
-    assert receiver.pending() == {"open_requests": 0, "buffered_messages": 0,
-                                  "draining_requests": 0}
+    assert receiver.pending().idle
 
 
 def _back_to_back(receiver, sender, request_id, count=8, nbytes=4 << 20):
@@ -132,12 +133,11 @@ def test_other_requests_never_land_and_closed_requests_are_drained(ucx):
     sender.flush("mine", timeout=10)  # completes because the receiver drains them
     deadline = threading.Event()
     for _ in range(100):
-        if not receiver.pending()["draining_requests"]:
+        if not receiver.pending().draining_requests:
             break
         deadline.wait(0.05)
     assert receiver.strays == strays + 2
-    assert receiver.pending() == {"open_requests": 0, "buffered_messages": 0,
-                                  "draining_requests": 0}
+    assert receiver.pending().idle
     with pytest.raises(TransportError, match="not open"):
         receiver.recv("mine", timeout=0.1)
     with pytest.raises(TimeoutError, match="theirs"):
@@ -155,7 +155,7 @@ def test_sender_pool_keeps_one_sender_per_address(ucx):
     sender.flush("pooled", timeout=10)
     receiver.close("pooled")
     assert got.buffers["data"].numel() == 300_000
-    assert pool.pending() == {"in_flight_messages": 0}
+    assert pool.pending().idle
     pool.shutdown()
     pool.shutdown()
     with pytest.raises(TransportError, match="shut down"):
@@ -190,10 +190,11 @@ def test_handoff_over_ucx_matches_in_process(ucx, smollm_bf16, tokenizer, codec,
     request_id = f"handoff-{codec}-{cut}"
     receiver.open(request_id)
     report = {}
+    plan, source = planned(model, ids, action, state)
     thread = threading.Thread(target=lambda: report.update(
-        r=send_handoff(sender, request_id, action, model.shape, ids, state)))
+        r=send_handoff(sender, plan, source, Transfer(request_id))))
     thread.start()
-    result = receive_handoff(model, receiver, request_id, timeout=30)
+    result = receive_handoff(model, receiver, Transfer(request_id, stall_s=30))
     thread.join()
     assert result.bytes == report["r"].bytes
     for layer in range(cut, model.shape.num_layers):

@@ -3,45 +3,56 @@ what a peer sends is checked field by field."""
 
 import pytest
 
-from rekv_core.handoff import Action, ActionKind, Schedule
-from rekv_core.plan.calibration import DecodeCosts
-from rekv_core.plan.planner import Evidence
-from rekv_core.plan.recent import Measured
+from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
+from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
+from rekv_core.plan.evidence import DecodeCosts, Evidence, Measured
 from services import wire_convert
-from rekv_core.handoff.action import WireBytes
-from services.calls import ConnectCall, DecodeOffer, HandoffCall, HandoffReply
+from services.calls import ConnectCall
 from services.errors import InvalidArgument
 
 L = 30
 
 
-def _call(**offer_changes) -> HandoffCall:
+def _call(link_gbps=0.25, suffix_scale=1.3, **offer_changes) -> HandoffCall:
     evidence = Evidence({ActionKind.JOINT: 1.2},
                         {Action("int8", 21, L): Measured(95.0, 1000, 4),
                          Action.full_bf16(L): Measured(140.0, 1024, 3)},
                         {Action("int8", 21, L): Measured(70.0, 1000, 3)})  # pipelined
     costs = DecodeCosts(suffix_ms_per_layer=3.5, restore_ms_per_mib={"int8": 0.2},
-                        join_ms=0.4, message_ms=0.1, link_gbps=0.25, evidence=evidence,
-                        suffix_scale=1.3)
+                        join_ms=0.4, message_ms=0.1, link_gbps=link_gbps, evidence=evidence,
+                        suffix_scale=suffix_scale)
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
                  computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}))
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
-                       bytes(range(32)), forced_schedule=Schedule(True, 256, pipelined=True))
+                       Sealing(bytes(range(32)), encrypted=True),
+                       forced_delivery=Delivery(True, 256, Order.TOKENS))
 
 
-def test_a_handoff_call_survives_the_wire():
-    call = _call()
-    assert wire_convert.handoff_call(wire_convert.handoff_request(call), "smollm2-135m",
-                                     L) == call
+@pytest.mark.parametrize("link_gbps, suffix_scale", [(0.25, 1.3), (None, None)])
+def test_a_handoff_call_survives_the_wire(link_gbps, suffix_scale):
+    call = _call(link_gbps, suffix_scale)
+    request = wire_convert.handoff_request(call)
+    assert request.offer.HasField("link_gbps") == (link_gbps is not None)
+    assert wire_convert.handoff_call(request, "smollm2-135m", L) == call
+
+
+def test_an_unmeasured_link_is_absent_not_zero():
+    """A peer may not say 0 Gb/s: not measured is the field's absence (an older peer that
+    sends a plain 0 sends nothing on the wire, and reads as not measured)."""
+    request = wire_convert.handoff_request(_call(link_gbps=None, suffix_scale=None))
+    assert not request.offer.HasField("link_gbps") and request.offer.link_gbps == 0.0
+    request.offer.link_gbps = 0.0  # explicitly present and zero
+    with pytest.raises(InvalidArgument, match="^offer.link_gbps: must be a finite number > 0"):
+        wire_convert.handoff_call(request, "smollm2-135m", L)
 
 
 def test_a_reply_survives_the_wire_with_the_prefill_load():
     reply = HandoffReply(action=Action("int8", 21, L), predicted_ms=95.0, model_ms=90.0,
                          prefill_ms=300.0, q_ms=4.0, send_ms=60.0,
                          bytes=WireBytes(boundary=1000, prefix=4000, scales=125), link_gbps=2.5,
-                         queue_depth=3)
+                         queue_depth=3, delivery=Delivery(True, 256, Order.TOKENS))
     got = wire_convert.handoff_reply(wire_convert.handoff_response(reply), L)
     assert got == reply  # the candidates are for the prefill's logs and are not read back
 
@@ -70,6 +81,10 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: setattr(r.offer, "backlog_ms", -1.0), "offer.backlog_ms"),
     (lambda r: setattr(r.offer, "suffix_scale", 1e308), "offer.suffix_scale"),
     (lambda r: setattr(r.offer, "suffix_scale", float("nan")), "offer.suffix_scale"),
+    (lambda r: setattr(r.offer, "suffix_scale", 0.0), "offer.suffix_scale"),
+    (lambda r: setattr(r.offer, "link_gbps", float("inf")), "offer.link_gbps"),
+    (lambda r: setattr(r.offer, "link_gbps", -1.0), "offer.link_gbps"),
+    (lambda r: setattr(r, "handoff_key", b"short"), "handoff_key"),
     (lambda r: r.offer.planned_transfers.extend(["t"] * 5000), "offer.planned_transfers"),
 ])
 def test_a_malformed_call_names_its_field(change, field):

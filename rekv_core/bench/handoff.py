@@ -33,9 +33,12 @@ import torch
 from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff import (Action, Delivery, HandoffPlan, ReceiveMode, Receiving, Sealing,
+                               receive_handoff, send_handoff)
 from rekv_core.handoff.action import WireBytes, wire_bytes
 from rekv_core.handoff.seal import new_key
+from rekv_core.handoff.source import FinishedPrefill
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model.executor import Model, PrefillOutput, embed, prefill, run_layers
 from rekv_core.timing import median_seconds
 from rekv_core.transport.inprocess import InProcessLink
@@ -72,7 +75,7 @@ class LinkRate:
 @dataclass(frozen=True)
 class Case:
     action: Action
-    schedule: str = "overlap"
+    mode: ReceiveMode = ReceiveMode.OVERLAP
 
 
 @dataclass
@@ -105,7 +108,7 @@ def cases_for(num_layers: int, config: BenchConfig) -> list[Case]:
         for c in cuts:
             cases.append(Case(Action(codec, c, num_layers)))
             if codec in config.sequential_codecs:
-                cases.append(Case(Action(codec, c, num_layers), "sequential"))
+                cases.append(Case(Action(codec, c, num_layers), ReceiveMode.SEQUENTIAL))
     return cases
 
 
@@ -133,9 +136,9 @@ class Sample:
     bytes: WireBytes  # received
     started: float  # perf_counter seconds at the sender's start: tells samples of runs apart
 
-    def modelled(self, schedule: str) -> float:
+    def modelled(self, mode: ReceiveMode) -> float:
         """The cost model on this run's own parts: eq. 9 overlapped, eq. 8 sequential."""
-        overlap = max(self.X, self.R) if schedule == "overlap" else self.X + self.R
+        overlap = max(self.X, self.R) if mode is ReceiveMode.OVERLAP else self.X + self.R
         return self.Q + self.H + overlap + self.J
 
 
@@ -148,8 +151,10 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
 
     def send() -> None:
         try:
-            outcome["sender"] = send_handoff(link.sender, request_id, case.action, model.shape,
-                                             ids, state, key=key)
+            plan = HandoffPlan(case.action, len(ids), model.shape, Delivery.seed())
+            source = FinishedPrefill(state, ids, case.action.cut)
+            outcome["sender"] = send_handoff(link.sender, plan, source, Transfer(request_id),
+                                             Sealing(key))
         except BaseException as exc:  # re-raised below, after the receiver is done
             outcome["error"] = exc
 
@@ -157,7 +162,8 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
     start = time.perf_counter()
     sender.start()
     try:
-        result = receive_handoff(model, link.receiver, request_id, case.schedule, key=key)
+        result = receive_handoff(model, link.receiver, Transfer(request_id, stall_s=30.0),
+                                 Sealing(key), Receiving(case.mode))
     finally:
         sender.join()
     total = time.perf_counter() - start
@@ -173,13 +179,13 @@ def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
     action = case.action
     totals = [s.total * 1e3 for s in samples]
     median, (low, high) = median_ci(totals)
-    modelled = statistics.median(s.modelled(case.schedule) * 1e3 for s in samples)
+    modelled = statistics.median(s.modelled(case.mode) * 1e3 for s in samples)
     received = samples[0].bytes
     expected = wire_bytes(action, shape, prompt_len)
     if received != expected:
         raise AssertionError(f"{action}: received {received}, byte model says {expected}")
     row = {"action": action.kind.value, "codec": action.codec if action.cut else "tokens",
-           "cut": action.cut, "schedule": case.schedule, "prompt_len": prompt_len,
+           "cut": action.cut, "schedule": case.mode.value, "prompt_len": prompt_len,
            "link": link.label, "link_gbps": round(gbps, 6), "bytes": received.total,
            "bytes_by_kind": received.as_dict(), "runs": len(samples)}
     for part in PARTS:
@@ -219,7 +225,7 @@ def run_bench(model: Model, config: BenchConfig,
                                for _ in range(config.runs)]
                     point_rows.append(summarize(case, shape, S, rate, gbps, samples))
                     progress(f"S={S} link={rate.label} ({gbps:.3f} Gb/s) {case.action} "
-                             f"{case.schedule}: {point_rows[-1]['median_ms']:.0f} ms")
+                             f"{case.mode.value}: {point_rows[-1]['median_ms']:.0f} ms")
             baseline = next(r for r in point_rows if r["action"] == "bf16_transfer")
             for row in point_rows:
                 row["speedup_vs_bf16"] = baseline["median_ms"] / row["median_ms"]

@@ -40,10 +40,12 @@ from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
 from rekv_core.bench.machine import machine_info
 from rekv_core.bench.stats import median_ci, paired_ratio
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff import (Action, Delivery, HandoffPlan, Order, Receiving, Sealing,
+                               receive_handoff, send_handoff)
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.handoff.seal import new_key
-from rekv_core.handoff.source import ChunkedPrefill, LivePrefill
+from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, LivePrefill
+from rekv_core.handoff.transfer import Transfer
 from rekv_core.model.executor import Model, prefill
 from rekv_core.transport.inprocess import InProcessLink
 
@@ -134,18 +136,21 @@ def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[in
                 source = LivePrefill(model, ids, action.cut, importance_window=window)
                 outcome["source"] = source
             else:
-                source = prefill(model, ids, boundaries={action.cut, L}, importance_window=window)
+                source = FinishedPrefill(prefill(model, ids, boundaries={action.cut, L},
+                                                 importance_window=window), ids, action.cut)
                 outcome["prefill_s"] = time.perf_counter() - began
-            send_handoff(link.sender, request_id, action, model.shape, ids, source, key=key,
-                         chunk_tokens=case.chunk_tokens)
+            delivery = Delivery(source.streamed, case.chunk_tokens,
+                                Order.TOKENS if source.pipelined else Order.LAYERS)
+            send_handoff(link.sender, HandoffPlan(action, len(ids), model.shape, delivery),
+                         source, Transfer(request_id), Sealing(key))
         except BaseException as exc:  # re-raised below, after the receiver is done
             outcome["error"] = exc
 
     sender = threading.Thread(target=send, name="rekv-bench-prefill")
     sender.start()
     try:
-        result = receive_handoff(model, link.receiver, request_id, "overlap", key=key,
-                                 prompt_len=len(ids))
+        result = receive_handoff(model, link.receiver, Transfer(request_id, stall_s=30.0),
+                                 Sealing(key), Receiving(prompt_len=len(ids)))
     finally:
         sender.join()
     ttft = time.perf_counter() - start

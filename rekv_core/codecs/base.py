@@ -7,11 +7,13 @@ A codec
 - `decode(encoded)`: back to K and V in the source dtype, on the buffers' device. Before decoding it
   checks the codec name, shape, buffer names, dtypes and sizes against `buffer_layout()` and every
   checksum; any mismatch raises `CorruptPayloadError` naming what is wrong, never a wrong tensor;
-- `buffer_layout(shape, meta)` / `payload_bytes(shape)`: the exact wire bytes as a function of the
+- `buffer_layout(shape, meta)` / `payload_bytes(shape)` / `layer_bytes(shape)`: the exact wire bytes
+  as a function of the
   shape and of the header's codec-specific `meta` (a JSON object; empty for codecs whose sizes
   follow from the shape alone), without encoding anything (headers are not payload). With
   `meta=None` a codec whose sizes depend on the data (an escape count) gives its expected layout,
-  which planning uses.
+  which planning uses. A buffer whose name ends in `.scales` holds quantizer scales, every other
+  one data: `layer_bytes` (and `EncodedKV.layer_bytes()` for an encoded layer) splits the bytes so.
 - `encode(k, v, context=...)`: a codec that needs more than K and V (per-token importance) reads it
   from `EncodeContext`; the others ignore it.
 
@@ -23,8 +25,9 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -38,6 +41,22 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 
 class CorruptPayloadError(ValueError):
     """An encoded layer that does not match its header or its codec's layout."""
+
+
+class LayerBytes(NamedTuple):
+    """One encoded layer's wire bytes (K and V together), split by what they hold."""
+
+    data: int  # codes, or the values themselves
+    scales: int  # quantizer scales
+
+    @classmethod
+    def of(cls, sizes: Mapping[str, int]) -> LayerBytes:
+        """From buffer name -> bytes: names ending in `.scales` are scales."""
+        scales = sum(n for name, n in sizes.items() if name.endswith(SCALES_SUFFIX))
+        return cls(sum(sizes.values()) - scales, scales)
+
+
+SCALES_SUFFIX = ".scales"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -60,6 +79,9 @@ class EncodedKV:
     @property
     def payload_bytes(self) -> int:
         return sum(b.numel() for b in self.buffers.values())
+
+    def layer_bytes(self) -> LayerBytes:
+        return LayerBytes.of({name: b.numel() for name, b in self.buffers.items()})
 
     def header(self) -> dict:
         return {"codec": self.codec, "shape": list(self.shape), "dtype": self.dtype,
@@ -155,6 +177,10 @@ class Codec(ABC):
 
     def payload_bytes(self, shape: tuple[int, int, int]) -> int:
         return sum(self.buffer_layout(shape).values())
+
+    def layer_bytes(self, shape: tuple[int, int, int]) -> LayerBytes:
+        """The expected wire bytes of K and V of `shape`, data and scales apart."""
+        return LayerBytes.of(self.buffer_layout(shape))
 
     def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True,
                context: EncodeContext = EncodeContext()) -> EncodedKV:

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from functools import cached_property
 
-from rekv_core.codecs import BASELINE_CODEC, get_codec
+from rekv_core.codecs import BASELINE_CODEC, Codec, LayerBytes, get_codec
 from rekv_core.handoff.boundary import boundary_bytes, check_coding
-from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -51,7 +51,7 @@ class Action:
     def __post_init__(self) -> None:
         if not 0 <= self.cut <= self.num_layers:
             raise ValueError(f"cut: must lie in [0, {self.num_layers}], got {self.cut}")
-        get_codec(self.codec)  # raises ValueError naming the registered codecs
+        self.registered_codec  # raises ValueError naming the registered codecs
         if check_coding(self.boundary) != "bf16" and not self.sends_boundary:
             raise ValueError(f"boundary: only an interior cut sends one, cut is {self.cut} of "
                              f"{self.num_layers}")
@@ -64,11 +64,16 @@ class Action:
     def token_only(cls, num_layers: int) -> Action:
         return cls(BASELINE_CODEC, 0, num_layers)
 
+    @cached_property
+    def registered_codec(self) -> Codec:
+        """The registry's codec of this name (one per action, built once)."""
+        return get_codec(self.codec)
+
     @property
     def kind(self) -> ActionKind:
         if self.cut == 0:
             return ActionKind.TOKEN_RECOMPUTE
-        lossless = get_codec(self.codec).lossless
+        lossless = self.registered_codec.lossless
         if self.cut == self.num_layers:
             return ActionKind.BF16_TRANSFER if lossless else ActionKind.QUANT_TRANSFER
         return ActionKind.BF16_RECOMPUTE if lossless else ActionKind.JOINT
@@ -77,7 +82,7 @@ class Action:
     def lossless(self) -> bool:
         """The decode side ends with exactly the prefill's cache: token-only, or a lossless
         codec. Such actions need no quality gate."""
-        return self.cut == 0 or get_codec(self.codec).lossless
+        return self.cut == 0 or self.registered_codec.lossless
 
     @property
     def sends_boundary(self) -> bool:
@@ -94,37 +99,6 @@ class Action:
     def __str__(self) -> str:
         boundary = f", boundary={self.boundary}" if self.boundary != "bf16" else ""
         return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}{boundary})"
-
-
-@dataclass(frozen=True)
-class Schedule:
-    """How a handoff is sent. `streamed`: from inside the prefill, each prefix layer as soon as it
-    is computed, the prefill stopping at the cut; else after a prefill of every layer, the
-    boundary first (the seed's). `chunk_tokens`: the boundary in chunks of that many tokens (a
-    multiple of `EXEC_BLOCK`), each of which the decode side starts on at once; 0: one message.
-    `pipelined` (streamed, in chunks): the prefill itself runs in those token chunks up to the cut,
-    and each chunk's boundary rows, then its prefix rows, leave as soon as the chunk has reached
-    the cut, so the decode side's layers run on the first chunk while the prefill computes the
-    next (token order; else layer order). It applies to interior cuts whose codec ranks no tokens
-    (`Codec.importance_window` 0); other actions go in layer order."""
-
-    streamed: bool = True
-    chunk_tokens: int = 0
-    pipelined: bool = False
-
-    def __post_init__(self) -> None:
-        chunk_bounds(1, self.chunk_tokens)  # ValueError naming chunk_tokens
-        if self.pipelined and not (self.streamed and self.chunk_tokens):
-            raise ValueError("pipelined: needs a streamed schedule with the boundary in chunks "
-                             "(chunk_tokens > 0)")
-
-    @classmethod
-    def seed(cls) -> Schedule:
-        return cls(streamed=False, chunk_tokens=0)
-
-    def __str__(self) -> str:
-        how = "pipelined" if self.pipelined else "streamed" if self.streamed else "after_prefill"
-        return f"{how}/chunk{self.chunk_tokens}" if self.chunk_tokens else how
 
 
 @dataclass(frozen=True)
@@ -153,16 +127,10 @@ class WireBytes:
         return {"boundary": self.boundary, "prefix": self.prefix, "scales": self.scales,
                 "tokens": self.tokens, "head": self.head, "total": self.total}
 
-
-def split_layer_bytes(sizes: dict[str, int]) -> WireBytes:
-    """Bytes of one encoded layer's buffers (name -> bytes), split into data and scales by name."""
-    scales = sum(n for name, n in sizes.items() if name.endswith(".scales"))
-    return WireBytes(prefix=sum(sizes.values()) - scales, scales=scales)
-
-
-def layer_wire_bytes(codec: str, kv_shape: tuple[int, int, int]) -> WireBytes:
-    """One layer's K and V in `codec`."""
-    return split_layer_bytes(get_codec(codec).buffer_layout(kv_shape))
+    @classmethod
+    def of_layer(cls, layer: LayerBytes) -> WireBytes:
+        """One encoded prefix layer's bytes (`Codec.layer_bytes`, `EncodedKV.layer_bytes`)."""
+        return cls(prefix=layer.data, scales=layer.scales)
 
 
 def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
@@ -172,7 +140,8 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
                          f"{shape.num_layers}")
     if action.cut == 0:
         return WireBytes(tokens=seq_len * TOKEN_ID_BYTES)
-    per_layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, seq_len, shape.head_dim))
+    per_layer = WireBytes.of_layer(action.registered_codec.layer_bytes(
+        (shape.num_kv_heads, seq_len, shape.head_dim)))
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:
         total += WireBytes(boundary=boundary_bytes(seq_len * shape.hidden_size, action.boundary))

@@ -20,9 +20,10 @@ import time
 import torch
 
 from rekv_core import streams
-from rekv_core.codecs import EncodedKV, get_codec
-from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
-from rekv_core.handoff.seal import decrypt, open_message
+from rekv_core.codecs import EncodedKV
+from rekv_core.handoff.action import WireBytes
+from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.seal import Sealing, decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
 from rekv_core.model.cache import KVCache
@@ -33,16 +34,16 @@ from rekv_core.transport.arrivals import Arrival, link_sample
 
 class Inbound:
     def __init__(self, transport: TransportReceiver, request_id: str, transfer: Transfer,
-                 key: bytes | None, encrypted: bool = False):
+                 sealing: Sealing = Sealing()):
         self.transport, self.request_id, self.transfer = transport, request_id, transfer
-        self.key, self.encrypted = key, encrypted
+        self.sealing = sealing
         self.arrivals: list[Arrival] = []
 
     def next(self) -> Message:
-        message = open_message(self.key, self.transport.recv(self.request_id,
-                                                             self.transfer.wait_s()))
-        if self.encrypted:
-            message = decrypt(self.key, message)
+        key = self.sealing.key
+        message = open_message(key, self.transport.recv(self.request_id, self.transfer.wait_s()))
+        if self.sealing.encrypted:
+            message = decrypt(key, message)
         if message.arrival is not None:
             self.arrivals.append(message.arrival)
         return message
@@ -65,13 +66,13 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 
 class Incoming:
-    def __init__(self, model: Model, inbound: Inbound, action: Action, S: int, cache: KVCache,
-                 chunks: int, started: float, row_chunks: list[tuple[int, int]] | None = None):
-        self.model, self.inbound, self.action, self.cache = model, inbound, action, cache
-        self.codec = get_codec(action.codec)
-        self.kv_shape = (model.shape.num_kv_heads, S, model.shape.head_dim)
-        self.num_chunks = chunks
-        self.row_chunks = row_chunks
+    def __init__(self, model: Model, inbound: Inbound, plan: HandoffPlan, cache: KVCache,
+                 started: float):
+        self.model, self.inbound, self.action, self.cache = model, inbound, plan.action, cache
+        self.codec = plan.codec
+        self.kv_shape = plan.kv_shape
+        self.num_chunks = len(plan.boundary_chunks)
+        self.row_chunks = plan.prefix_row_chunks
         self.bytes = WireBytes()
         self.error: BaseException | None = None
         self.done = started  # the prefix restored
@@ -169,7 +170,7 @@ class Incoming:
             self.decoding_began = time.perf_counter()
         k, v = self.codec.decode(encoded)
         self.cache.write(index, s0, k.to(self.model.dtype), v.to(self.model.dtype))
-        self.bytes += split_layer_bytes(encoded.header()["buffers"])
+        self.bytes += WireBytes.of_layer(encoded.layer_bytes())
 
     def join_compute_stream(self) -> None:
         """On CUDA: the compute stream waits for every restore before the cache is used."""

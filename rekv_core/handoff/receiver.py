@@ -1,7 +1,9 @@
 """The decode side of a handoff: rebuild the complete cache and the first-token logits.
 
-`receive_handoff(model, transport, request_id, schedule)` reads one handoff (see `wire`) from an
-opened request and always ends it: `close` after success, `abort` after any failure. Schedules:
+`receive_handoff(model, transport, transfer, sealing, receiving)` reads one handoff (see `wire`)
+from the request `transfer.transfer_id`, opened on `transport`, and always ends it: `close` after
+success, `abort` after any failure. Its plan (`HandoffPlan`) arrives first, in-band. Receive modes
+(`ReceiveMode`, the receiver's own choice, `Receiving.mode`):
 
 - `overlap` (eq. 9): a second thread reads every message (`incoming.Incoming`): it decodes the
   prefix layers into the cache and hands over the boundary's chunks; as soon as the first chunk
@@ -14,9 +16,10 @@ opened request and always ends it: `close` after success, `abort` after any fail
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
-The same reading serves a streamed handoff (`Plan.streamed`), whose prefix comes first, and a
-pipelined one (`Plan.pipelined`), whose prefix comes in the boundary's row chunks, each chunk's
-after its boundary rows.
+The same reading serves a streamed handoff (`Delivery.streamed`), whose prefix comes first, and a
+pipelined one (`Order.TOKENS`), whose prefix comes in the boundary's row chunks, each chunk's
+after its boundary rows. `Receiving.work`, when given, is told what the plan gives this side to
+compute and when it computes (`ComputeObserver`: the decode side's load book counts it).
 
 Every message is opened with the handoff's key and its bytes checked against their checksums before
 anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only
@@ -32,24 +35,62 @@ the wire.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from rekv_core.handoff.action import Action, WireBytes
 from rekv_core.handoff.boundary import decode_chunk
 from rekv_core.handoff.incoming import Inbound, Incoming
-from rekv_core.handoff.seal import check_checksums, check_key
+from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.seal import Sealing, check_checksums
 from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
-from rekv_core.handoff.wire import PLAN, TOKENS, Plan
+from rekv_core.handoff.wire import PLAN, TOKENS
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits, prefill, run_layers_chunk
 from rekv_core.transport import TransportError, TransportReceiver
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
-SCHEDULES = ("overlap", "sequential")
+
+class ReceiveMode(enum.Enum):
+    OVERLAP = "overlap"  # eq. 9: the suffix beside the prefix, chunk by chunk
+    SEQUENTIAL = "sequential"  # eq. 8: the whole prefix, then the suffix
+
+
+class ComputeObserver(Protocol):
+    """Told of one handoff's compute on the receiving side (the decode side's load book)."""
+
+    def planned(self, layers: int, prompt_len: int) -> None:
+        """The plan arrived: this side will compute `layers` layers of `prompt_len` tokens."""
+
+    def computing(self, running: bool) -> None:
+        """This side starts (True) or stops (False) computing the handoff."""
+
+
+@dataclass(frozen=True)
+class Receiving:
+    """The receiving side's own choices for one handoff. `prompt_len`, when known, lets the cache
+    be allocated before the plan arrives (while the sender prefills), not while the first
+    messages land; the plan must then agree with it. `extra_capacity`: cache rows beyond the
+    prompt (the tokens to generate)."""
+
+    mode: ReceiveMode = ReceiveMode.OVERLAP
+    prompt_len: int | None = None
+    extra_capacity: int = 0
+    work: ComputeObserver | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mode, ReceiveMode):
+            raise ValueError(f"mode: must be one of {[m.name for m in ReceiveMode]}, got "
+                             f"{self.mode!r}")
+        if self.prompt_len is not None and self.prompt_len < 1:
+            raise ValueError(f"prompt_len: must be positive, got {self.prompt_len}")
+        if self.extra_capacity < 0:
+            raise ValueError(f"extra_capacity: must be >= 0, got {self.extra_capacity}")
 
 
 @dataclass(frozen=True)
@@ -66,38 +107,40 @@ class HandoffTimings:
 
 @dataclass
 class HandoffResult:
-    action: Action
+    plan: HandoffPlan  # as it arrived
     cache: KVCache
     logits: torch.Tensor  # [vocab], float32: the first generated token's distribution
     timings: HandoffTimings = field(default_factory=HandoffTimings)
     bytes: WireBytes = field(default_factory=WireBytes)
     link_sample: tuple[int, float] | None = None  # (bytes, seconds)
-    streamed: bool = False  # the plan's: sent from inside the prefill
-    pipelined: bool = False  # the plan's: in token order
+
+    @property
+    def action(self) -> Action:
+        return self.plan.action
 
 
-def receive_handoff(model: Model, transport: TransportReceiver, request_id: str,
-                    schedule: str = "overlap", timeout: float = 30.0,
-                    extra_capacity: int = 0, prompt_len: int | None = None,
-                    key: bytes | None = None, transfer: Transfer | None = None,
-                    encrypted: bool = False) -> HandoffResult:
-    """`prompt_len`, when the caller knows it, lets the cache be allocated before the plan
-    arrives (while the sender prefills), not while the first messages land; the plan must then
-    agree with it. `key`: the handoff's key (`seal.new_key`), which the sender must seal with.
-    `transfer`: the handoff's state and deadline, which every wait obeys (without one, each wait
-    is bounded by `timeout`); it ends DONE or FAILED. `encrypted`: the sender encrypted every
-    buffer under the key (`seal.encrypt`), and each is decrypted on the host."""
+class _NoWork:
+    def planned(self, layers: int, prompt_len: int) -> None:
+        pass
+
+    def computing(self, running: bool) -> None:
+        pass
+
+
+def receive_handoff(model: Model, transport: TransportReceiver, transfer: Transfer,
+                    sealing: Sealing = Sealing(), receiving: Receiving = Receiving()
+                    ) -> HandoffResult:
+    """`transfer`: the handoff's state and deadline, which every wait obeys (each wait at most
+    its stall limit); it ends DONE or FAILED. `sealing`: the handoff's key (`seal.new_key`),
+    which the sender must seal with, and whether every buffer is encrypted (decrypted here on
+    the host)."""
     start = time.perf_counter()
-    transfer = transfer or Transfer(request_id, stall_s=timeout)
+    request_id = transfer.transfer_id
     try:
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule: must be one of {SCHEDULES}, got {schedule!r}")
-        cache = None if prompt_len is None else _empty_cache(model, prompt_len + extra_capacity)
-        check_key(key)
-        if encrypted and key is None:
-            raise ValueError("encrypted: needs the handoff's key")
-        inbound = Inbound(transport, request_id, transfer, key, encrypted)
-        result = _receive(model, inbound, schedule, extra_capacity, start, cache)
+        cache = (None if receiving.prompt_len is None
+                 else _empty_cache(model, receiving.prompt_len + receiving.extra_capacity))
+        inbound = Inbound(transport, request_id, transfer, sealing)
+        result = _receive(model, inbound, receiving, start, cache)
     except BaseException as exc:
         transport.abort(request_id)
         transfer.fail(f"{type(exc).__name__}: {exc}")
@@ -113,31 +156,29 @@ def _empty_cache(model: Model, capacity: int) -> KVCache:
                    model.device)
 
 
-def _receive(model: Model, inbound: Inbound, schedule: str, extra_capacity: int, start: float,
+def _receive(model: Model, inbound: Inbound, receiving: Receiving, start: float,
              cache: KVCache | None) -> HandoffResult:
-    plan = Plan.from_bytes(inbound.expect(PLAN).header)
-    plan.check_model(model.shape)
-    inbound.transfer.planned(model.shape.num_layers - plan.action.cut, plan.seq_len)
-    if plan.expect_ms > 0:
-        inbound.transfer.expect_within(allowed_s(plan.expect_ms / 1e3))
+    plan = HandoffPlan.from_bytes(inbound.expect(PLAN).header, model.shape)
+    work = receiving.work or _NoWork()
+    work.planned(model.shape.num_layers - plan.action.cut, plan.seq_len)
+    if plan.predicted_ms > 0:
+        inbound.transfer.expect_within(allowed_s(plan.predicted_ms / 1e3))
     inbound.transfer.advance(TransferState.BOUNDARY)
-    S = plan.seq_len
+    S, extra = plan.seq_len, receiving.extra_capacity
     if cache is None:
-        cache = _empty_cache(model, S + extra_capacity)
-    elif cache.capacity != S + extra_capacity:
+        cache = _empty_cache(model, S + extra)
+    elif cache.capacity != S + extra:
         raise TransportError(f"plan: a prompt of {S} tokens, expected "
-                             f"{cache.capacity - extra_capacity}")
+                             f"{cache.capacity - extra}")
     if plan.action.cut == 0:
-        result = _recompute_prompt(model, inbound, plan.action, S, cache, start)
-    else:
-        result = _restore_and_recompute(model, inbound, schedule, plan, cache, start)
-    result.streamed, result.pipelined = plan.streamed, plan.pipelined
-    return result
+        return _recompute_prompt(model, inbound, plan, cache, start, work)
+    return _restore_and_recompute(model, inbound, receiving.mode, plan, cache, start, work)
 
 
-def _recompute_prompt(model: Model, inbound: Inbound, action: Action, S: int, cache: KVCache,
-                      start: float) -> HandoffResult:
+def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: KVCache,
+                      start: float, work: ComputeObserver) -> HandoffResult:
     """Token-only: the prompt's ids arrive, this worker runs every layer."""
+    S = plan.seq_len
     message = inbound.expect(TOKENS)
     inbound.transfer.advance(TransferState.JOINING)
     check_checksums(message)
@@ -145,13 +186,16 @@ def _recompute_prompt(model: Model, inbound: Inbound, action: Action, S: int, ca
     if len(ids) != S:
         raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
     began = time.perf_counter()
-    out = prefill(model, ids, boundaries=())
+    work.computing(True)
+    try:
+        out = prefill(model, ids, boundaries=())
+    finally:
+        work.computing(False)
     cache.load(out.keys, out.values)
     done = time.perf_counter()
     timings = HandoffTimings(h_s=began - start, r_s=done - began, total_s=done - start,
                              suffix_end_s=done - start)
-    return HandoffResult(action, cache, out.logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
-
+    return HandoffResult(plan, cache, out.logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
 
 @dataclass(frozen=True)
 class _Suffix:
@@ -162,7 +206,8 @@ class _Suffix:
     wire_bytes: int  # the boundary's, as it travelled
 
 
-def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) -> _Suffix:
+def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCache,
+                work: ComputeObserver) -> _Suffix:
     """Layers c..L−1, one boundary chunk at a time as each arrives (`run_layers_chunk`)."""
     cuda = model.device.type == "cuda"
     shape = (model.shape.hidden_size,)
@@ -172,20 +217,20 @@ def _run_suffix(model: Model, plan: Plan, incoming: Incoming, cache: KVCache) ->
     for index, (s0, s1) in enumerate(plan.boundary_chunks):
         message = incoming.next_chunk(index)
         wire += message.payload_bytes
-        rows = decode_chunk(message, (s1 - s0, *shape), plan.boundary).to(model.device,
-                                                                           model.dtype)
+        rows = decode_chunk(message, (s1 - s0, *shape), plan.action.boundary).to(
+            model.device, model.dtype)
         now = time.perf_counter()
         transfer = incoming.inbound.transfer
         if index == 0:
             began = now
             transfer.advance(TransferState.PREFIX)
-        transfer.compute(True)
+        work.computing(True)
         try:
-            h = run_layers_chunk(model, rows, plan.cut, s0, cache)
+            h = run_layers_chunk(model, rows, plan.action.cut, s0, cache)
             if cuda:
                 torch.cuda.current_stream(model.device).synchronize()
         finally:
-            transfer.compute(False)
+            work.computing(False)
         compute += time.perf_counter() - now
     logits = final_logits(model, h[-1])
     if cuda:
@@ -205,23 +250,23 @@ def _join(worker: threading.Thread, inbound: Inbound) -> None:
         worker.join()
 
 
-def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: Plan,
-                           cache: KVCache, start: float) -> HandoffResult:
+def _restore_and_recompute(model: Model, inbound: Inbound, mode: ReceiveMode,
+                           plan: HandoffPlan, cache: KVCache, start: float,
+                           work: ComputeObserver) -> HandoffResult:
     """A cut c ≥ 1: the prefix restored by the reading thread beside the suffix, which runs on
     this thread one boundary chunk at a time (overlap), or after the whole prefix (sequential)."""
     action, S = plan.action, plan.seq_len
     hidden = model.shape.hidden_size
-    incoming = Incoming(model, inbound, action, S, cache, len(plan.boundary_chunks), start,
-                        plan.prefix_row_chunks)
+    incoming = Incoming(model, inbound, plan, cache, start)
     suffix = None
     if not action.sends_boundary:  # transfer-only: nothing to recompute
         inbound.transfer.advance(TransferState.PREFIX)
         incoming.run()
-    elif schedule == "overlap":
+    elif mode is ReceiveMode.OVERLAP:
         worker = threading.Thread(target=incoming.run, name=f"rekv-prefix-{inbound.request_id}")
         worker.start()
         try:
-            suffix = _run_suffix(model, plan, incoming, cache)
+            suffix = _run_suffix(model, plan, incoming, cache, work)
         except BaseException:  # wake the reading thread instead of waiting out its timeout
             inbound.transport.abort(inbound.request_id)
             raise
@@ -229,7 +274,8 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
             _join(worker, inbound)
     else:
         incoming.run()
-        suffix = _run_suffix(model, plan, incoming, cache) if incoming.error is None else None
+        suffix = (_run_suffix(model, plan, incoming, cache, work) if incoming.error is None
+                  else None)
     if incoming.error is not None:
         raise incoming.error
     inbound.transfer.advance(TransferState.JOINING)
@@ -251,5 +297,5 @@ def _restore_and_recompute(model: Model, inbound: Inbound, schedule: str, plan: 
     timings = HandoffTimings(h_s=boundary_at - start, x_s=max(0.0, incoming.done - boundary_at),
                              r_s=r_seconds, j_s=done - join_start, total_s=done - start,
                              suffix_end_s=suffix.ended - start if suffix else 0.0)
-    return HandoffResult(action, cache, logits, timings, received + incoming.bytes,
+    return HandoffResult(plan, cache, logits, timings, received + incoming.bytes,
                          inbound.link_sample(before=computing))

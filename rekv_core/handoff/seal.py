@@ -16,7 +16,8 @@ is rejected and never written into a cache. `check_checksums` then verifies the 
 message whose header carries its checksums (the codec verifies an encoded layer's).
 
 A handoff without a key (`key=None` on both sides: benchmarks, tests of the schedule) is
-unsealed; checksums still travel and are checked.
+unsealed; checksums still travel and are checked. `Sealing(key, encrypted)` is how one handoff is
+protected, as both sides take it.
 
 Encryption, for links that others can read (optional; the MAC alone hides nothing): `encrypt`
 replaces every buffer of a message by its AES-256-GCM ciphertext with the 16-byte tag appended,
@@ -42,7 +43,7 @@ import hashlib
 import hmac
 import json
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -73,6 +74,25 @@ def new_key() -> bytes:
 def check_key(key: bytes | None) -> None:
     if key is not None and len(key) != KEY_BYTES:
         raise ValueError(f"handoff_key: must be {KEY_BYTES} bytes, got {len(key)}")
+
+
+@dataclass(frozen=True)
+class Sealing:
+    """How one handoff's messages are protected: sealed under `key` (None: unsealed), and with
+    `encrypted` every buffer encrypted under it too (on the host)."""
+
+    key: bytes | None = None
+    encrypted: bool = False
+
+    def __post_init__(self) -> None:
+        check_key(self.key)
+        if self.encrypted and self.key is None:
+            raise ValueError("encrypted: needs the handoff's key")
+
+    @classmethod
+    def fresh(cls, encrypted: bool = False) -> Sealing:
+        """A new random key (the decode side draws one per handoff)."""
+        return cls(new_key(), encrypted)
 
 
 def _framed(*parts: bytes) -> bytes:

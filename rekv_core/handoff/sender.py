@@ -1,7 +1,7 @@
 """The prefill side of a handoff: the plan, then the boundary and the prefix layer by layer.
 
-`send_handoff(transport, request_id, action, shape, token_ids, source)` sends one handoff from a
-`PrefillSource` (or a finished `PrefillOutput`), in order: the plan; then the token ids for c = 0;
+`send_handoff(transport, plan, source, transfer)` sends one handoff (`HandoffPlan`) from a
+`PrefillSource`, in order: the plan; then the token ids for c = 0;
 then, from a finished prefill (the seed's schedule), the boundary h_c in token chunks followed by
 each prefix layer as soon as it is encoded, so layer 0 is on the wire while layer 1 is being
 quantized; from a live prefill (`LivePrefill`, streamed), each prefix layer as soon as the prefill
@@ -31,16 +31,15 @@ from typing import Protocol
 import torch
 
 from rekv_core import streams
-from rekv_core.codecs import Codec, EncodeContext, get_codec
-from rekv_core.handoff.action import Action, WireBytes, split_layer_bytes
+from rekv_core.codecs import EncodeContext
+from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.boundary import chunk_codebook, encode_chunk
-from rekv_core.handoff.seal import check_key, encrypt, seal, with_checksums
-from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, PrefillSource
+from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.seal import Sealing, encrypt, seal, with_checksums
+from rekv_core.handoff.source import ChunkedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
-from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, Plan, boundary_name, layer_name,
+from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, boundary_name, layer_name,
                                     layer_rows_name, tensor_bytes)
-from rekv_core.model.executor import PrefillOutput
-from rekv_core.model.shapes import ModelShape
 from rekv_core.transport import Message, TransportSender
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -61,66 +60,55 @@ class SenderReport:
     bytes: WireBytes
 
 
-def send_handoff(transport: TransportSender, request_id: str, action: Action, shape: ModelShape,
-                 token_ids: Sequence[int], state: PrefillOutput | PrefillSource | ChunkedPrefill,
-                 flush_timeout: float = 60.0, key: bytes | None = None,
-                 transfer: Transfer | None = None, expect_ms: float = 0.0,
-                 hooks: SendHooks | None = None, encrypted: bool = False,
-                 chunk_tokens: int = 0, boundary_codebook: list[int] | None = None,
-                 codec: Codec | None = None) -> SenderReport:
-    """`state`: a finished prefill, or a `PrefillSource` (`LivePrefill` streams) or a
-    `ChunkedPrefill` (pipelined: its chunks must be `chunk_tokens`'s, its cut the action's).
-    `chunk_tokens`: the boundary's chunk size (`chunk_bounds`; 0: one message).
-    `key`: the handoff's key from the decode side; every message is sealed with it (`seal`).
-    `transfer`: the handoff's state and deadline: a cancelled or late transfer stops before its
-    next message, and the flush waits no longer than its deadline (without one: `flush_timeout`);
-    it ends DONE or FAILED. `expect_ms`: the predicted handoff length the plan tells the
-    receiver. `hooks`: fault injection (`SendHooks`).
-    `encrypted`: every buffer is encrypted under the key (`seal.encrypt`; on the host).
-    `boundary_codebook`: the model's SplitZip codebook for boundary states (a SplitZip boundary
-    without one ranks the exponents of its own h_c). `codec`: the prefix codec's instance to
-    encode with (default: the registry's `action.codec`), e.g. SplitZip with the model's
-    codebook."""
-    if codec is not None and codec.name != action.codec:
-        raise ValueError(f"codec: {codec.name!r} is not the action's {action.codec!r}")
-    check_key(key)
-    if encrypted and key is None:
-        raise ValueError("encrypted: needs the handoff's key")
-    transfer = transfer or Transfer(request_id, stall_s=flush_timeout)
-    source = FinishedPrefill(state, action.cut) if isinstance(state, PrefillOutput) else state
-    plan = Plan.of(action, shape, len(token_ids), expect_ms, source.streamed, chunk_tokens,
-                   source.pipelined)
-    if source.pipelined and (source.cut != action.cut or source.bounds != plan.boundary_chunks):
-        raise ValueError("state: a prefill in token chunks must stop at the action's cut and run "
-                         "in the boundary's chunks")
-    if source.pipelined and (codec or get_codec(action.codec)).importance_window:
-        raise ValueError(f"codec: {action.codec} ranks a layer's tokens and cannot encode a "
-                         f"chunk of them alone (pipelined)")
+def send_handoff(transport: TransportSender, plan: HandoffPlan, source: PrefillSource,
+                 transfer: Transfer, sealing: Sealing = Sealing(),
+                 hooks: SendHooks | None = None) -> SenderReport:
+    """Send `plan` from `source` (module doc) under `transfer.transfer_id`. `source` must be what
+    the plan's delivery says: a finished prefill (`FinishedPrefill`) for the seed's schedule, a
+    `LivePrefill` streamed in layer order, a `ChunkedPrefill` in the plan's token chunks and cut
+    for token order. `transfer`: the handoff's state and deadline: a cancelled or late transfer
+    stops before its next message, and the flush waits no longer than its deadline (or its stall
+    limit); it ends DONE or FAILED. `sealing`: the key from the decode side, with which every
+    message is sealed, and whether every buffer is encrypted too (`seal`). `hooks`: fault
+    injection (`SendHooks`)."""
+    _check_source(plan, source)
     stream = streams.side_stream(source.device)
     try:
-        report = _send(plan, token_ids, source, stream,
-                       _Posting(transport, request_id, transfer, key, hooks, encrypted),
-                       boundary_codebook, codec or get_codec(action.codec))
+        report = _send(plan, source, stream, _Posting(transport, transfer, sealing, hooks))
     except BaseException as exc:
         transfer.fail(f"{type(exc).__name__}: {exc}")
         try:  # give up whatever was posted: nothing stays queued for a failed handoff
-            transport.flush(request_id, 0.0)
+            transport.flush(transfer.transfer_id, 0.0)
         except Exception:
             pass
         raise
     finally:
-        streams.settle(stream)  # the caller may free `state` once this returns, even on failure
+        streams.settle(stream)  # the caller may free `source` once this returns, even on failure
     transfer.advance(TransferState.DONE)
     return report
+
+
+def _check_source(plan: HandoffPlan, source: PrefillSource) -> None:
+    if (source.streamed, source.pipelined) != (plan.streamed, plan.pipelined):
+        raise ValueError(f"source: streamed={source.streamed} pipelined={source.pipelined}, the "
+                         f"plan's delivery is {plan.delivery}")
+    if len(source.token_ids) != plan.seq_len:
+        raise ValueError(f"source: {len(source.token_ids)} tokens, the plan is for "
+                         f"{plan.seq_len}")
+    if source.cut != plan.action.cut:
+        raise ValueError(f"source: stops at cut {source.cut}, the plan's is {plan.action.cut}")
+    if source.pipelined and source.bounds != plan.boundary_chunks:
+        raise ValueError("source: a prefill in token chunks must run in the boundary's chunks")
 
 
 class _Posting:
     """Seals, numbers and posts one handoff's messages, minding its transfer."""
 
-    def __init__(self, transport: TransportSender, request_id: str, transfer: Transfer,
-                 key: bytes | None, hooks: SendHooks | None, encrypted: bool):
-        self.transport, self.request_id, self.transfer = transport, request_id, transfer
-        self.key, self.hooks, self.encrypted = key, hooks, encrypted
+    def __init__(self, transport: TransportSender, transfer: Transfer, sealing: Sealing,
+                 hooks: SendHooks | None):
+        self.transport, self.transfer = transport, transfer
+        self.request_id = transfer.transfer_id
+        self.sealing, self.hooks = sealing, hooks
         self.seq = 0
 
     def __call__(self, name: str, header: bytes | None = None, buffers: dict | None = None,
@@ -132,12 +120,13 @@ class _Posting:
         buffers = buffers or {}
         header = with_checksums(buffers) if header is None else header
         message = Message(self.request_id, self.seq, name, header, buffers)
-        if self.encrypted:  # on the host: a copy from the device waits for its producer
+        key = self.sealing.key
+        if self.sealing.encrypted:  # on the host: a copy from the device waits for its producer
             message.buffers = {n: b.cpu() for n, b in buffers.items()}
-            message = encrypt(self.key, message)
+            message = encrypt(key, message)
         else:
             message.ready = streams.record_ready(buffers.values())
-        message = seal(self.key, message)
+        message = seal(key, message)
         if self.hooks is not None:
             message = self.hooks.before_send(message)
         self.transport.send(message)
@@ -150,19 +139,18 @@ class _Posting:
         self.transport.flush(self.request_id, self.transfer.wait_s())
 
 
-def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
-          send: _Posting, boundary_codebook: list[int] | None, codec: Codec) -> SenderReport:
+def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> SenderReport:
     action = plan.action
     sent = WireBytes()
     send(PLAN, plan.to_bytes())
     if action.cut == 0:
-        ids = torch.tensor(list(token_ids), dtype=torch.int32)
+        ids = torch.tensor(list(source.token_ids), dtype=torch.int32)
         send(TOKENS, buffers={"ids": tensor_bytes(ids)}, state=TransferState.BOUNDARY)
         sent += WireBytes(tokens=ids.numel() * TOKEN_ID_BYTES)
     elif action.sends_boundary and not source.streamed:
-        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
+        sent += _send_boundary(plan, source, stream, send)
     if plan.pipelined:  # an interior cut: nothing was sent but the plan
-        report = _send_in_token_order(plan, source, stream, send, boundary_codebook, codec)
+        report = _send_in_token_order(plan, source, stream, send)
         send.flush()
         return report
 
@@ -174,14 +162,15 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
             streams.wait_ready(None, (layer.keys, layer.values), stream)
             start = time.perf_counter()
             with streams.on_stream(stream):
-                encoded = codec.encode(layer.keys, layer.values,
-                                       context=EncodeContext(token_importance=layer.importance))
+                encoded = plan.codec.encode(
+                    layer.keys, layer.values,
+                    context=EncodeContext(token_importance=layer.importance))
             quantize += time.perf_counter() - start
             send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
                  state=TransferState.PREFIX)
-            sent += split_layer_bytes(encoded.header()["buffers"])
+            sent += WireBytes.of_layer(encoded.layer_bytes())
     if action.sends_boundary and source.streamed:
-        sent += _send_boundary(plan, source, stream, send, boundary_codebook)
+        sent += _send_boundary(plan, source, stream, send)
 
     if action.cut == action.num_layers:
         streams.follow(stream, source.device)
@@ -193,11 +182,11 @@ def _send(plan: Plan, token_ids: Sequence[int], source: PrefillSource, stream,
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 
-def _send_in_token_order(plan: Plan, source: ChunkedPrefill, stream, send: _Posting,
-                         codebook: list[int] | None, codec: Codec) -> SenderReport:
+def _send_in_token_order(plan: HandoffPlan, source: ChunkedPrefill, stream, send: _Posting
+                         ) -> SenderReport:
     """Each chunk as the prefill passes the cut: its boundary rows, then its rows of each
     prefix layer."""
-    sent, quantize = WireBytes(), 0.0
+    sent, quantize, codebook = WireBytes(), 0.0, plan.boundary_codebook
     with contextlib.closing(source.chunks()) as chunks:
         for chunk in chunks:
             streams.follow(stream, source.device)
@@ -206,39 +195,39 @@ def _send_in_token_order(plan: Plan, source: ChunkedPrefill, stream, send: _Post
                                stream)
             with streams.on_stream(stream):
                 rows = chunk.boundary.to(torch.bfloat16)
-                codebook = chunk_codebook(rows, plan.boundary, codebook)
+                codebook = chunk_codebook(rows, plan.action.boundary, codebook)
             sent += _send_boundary_chunk(plan, chunk.index, rows, codebook, stream, send)
             for layer in chunk.layers:
                 start = time.perf_counter()
                 with streams.on_stream(stream):
-                    encoded = codec.encode(layer.keys.contiguous(), layer.values.contiguous(),
-                                           context=EncodeContext())
+                    encoded = plan.codec.encode(layer.keys.contiguous(),
+                                                layer.values.contiguous(), context=EncodeContext())
                 quantize += time.perf_counter() - start
                 send(layer_rows_name(layer.index, chunk.index), encoded.header_bytes(),
                      encoded.buffers, state=TransferState.PREFIX)
-                sent += split_layer_bytes(encoded.header()["buffers"])
+                sent += WireBytes.of_layer(encoded.layer_bytes())
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 
 
-def _send_boundary(plan: Plan, source: PrefillSource, stream, send: _Posting,
-                   codebook: list[int] | None) -> WireBytes:
-    """h_c in BF16 or SplitZip-coded (`plan.boundary`), one message per chunk of rows
-    (`Plan.boundary_chunks`)."""
+def _send_boundary(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting
+                   ) -> WireBytes:
+    """h_c in BF16 or SplitZip-coded (`Action.boundary`), one message per chunk of rows
+    (`HandoffPlan.boundary_chunks`)."""
     streams.follow(stream, source.device)
     sent = WireBytes()
     with streams.on_stream(stream):
         h_c = source.boundary().to(torch.bfloat16)
-        codebook = chunk_codebook(h_c, plan.boundary, codebook)
+        codebook = chunk_codebook(h_c, plan.action.boundary, plan.boundary_codebook)
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
         sent += _send_boundary_chunk(plan, chunk, h_c[s0:s1], codebook, stream, send)
     return sent
 
 
-def _send_boundary_chunk(plan: Plan, chunk: int, rows: torch.Tensor, codebook: list[int] | None,
-                         stream, send: _Posting) -> WireBytes:
-    """One chunk of BF16 boundary rows, coded as `plan.boundary` says."""
+def _send_boundary_chunk(plan: HandoffPlan, chunk: int, rows: torch.Tensor,
+                         codebook: Sequence[int] | None, stream, send: _Posting) -> WireBytes:
+    """One chunk of BF16 boundary rows, coded as the plan's action says."""
     with streams.on_stream(stream):  # the checksums' read waits for the encoding
-        buffers, extra = encode_chunk(rows, plan.boundary, codebook)
+        buffers, extra = encode_chunk(rows, plan.action.boundary, codebook)
         header = with_checksums(buffers, extra)
     send(boundary_name(chunk), header, buffers,
          state=None if plan.streamed else TransferState.BOUNDARY)

@@ -1,12 +1,12 @@
 """What a handoff sends, as the prefill produces it.
 
-A `PrefillSource` gives the sender the prefix layers' K and V in layer order (`layers()`), the
-boundary h_c (`boundary()`, for an interior cut: once `layers()` has yielded layer c−1, which is
-when the prefill has computed it) and, for transfer-only, the last position's final hidden state
-(`head()`, once `layers()` is exhausted).
+A `PrefillSource` gives the sender the prompt's `token_ids` (what token-only sends), the prefix
+layers' K and V in layer order (`layers()`), the boundary h_c (`boundary()`, for an interior cut:
+once `layers()` has yielded layer c−1, which is when the prefill has computed it) and, for
+transfer-only, the last position's final hidden state (`head()`, once `layers()` is exhausted).
 
-- `FinishedPrefill(state, cut)`: from a `PrefillOutput` that ran every layer (the seed's schedule:
-  the handoff starts once the prefill is done, and the boundary goes first).
+- `FinishedPrefill(state, token_ids, cut)`: from a `PrefillOutput` that ran every layer (the
+  seed's schedule: the handoff starts once the prefill is done, and the boundary goes first).
 - `LivePrefill(model, token_ids, cut)`: runs the prefill one layer at a time as the sender asks for
   the next one, so layer i is encoded and on the wire while layer i+1 computes, and stops at the
   cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). With
@@ -57,6 +57,8 @@ class PrefillSource(Protocol):
     streamed: bool
     pipelined: bool
     device: torch.device
+    token_ids: Sequence[int]
+    cut: int  # c: the prefix is layers [0, c)
 
     def layers(self) -> Iterator[ProducedLayer]: ...
 
@@ -68,8 +70,8 @@ class PrefillSource(Protocol):
 class FinishedPrefill:
     streamed = pipelined = False
 
-    def __init__(self, state: PrefillOutput, cut: int):
-        self.state, self.cut = state, cut
+    def __init__(self, state: PrefillOutput, token_ids: Sequence[int], cut: int):
+        self.state, self.token_ids, self.cut = state, token_ids, cut
         self.device = state.keys[0].device if state.keys else torch.device("cpu")
 
     def layers(self) -> Iterator[ProducedLayer]:

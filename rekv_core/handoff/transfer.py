@@ -110,11 +110,6 @@ class Transfer:
         self._lock = threading.Lock()
         self._book = book
         self.entered = {TransferState.NEGOTIATING: time.monotonic()}
-        self.compute_layers = 0  # layers the receiving side computes, once the plan says
-        self.prompt_len = 0  # and for how many tokens
-        self._computed_s = 0.0  # time the receiving side spent computing, where it says (`compute`)
-        self._computing_from: float | None = None
-        self._compute_timed = False
         if book is not None:
             book._enter(self)
 
@@ -140,43 +135,6 @@ class Transfer:
                 self.entered[state] = time.monotonic()
         if state is TransferState.DONE and self._book is not None:
             self._book._leave(self)
-
-    def planned(self, compute_layers: int, prompt_len: int) -> None:
-        """The plan arrived: the receiving side will compute `compute_layers` layers of
-        `prompt_len` tokens (what its load report counts as work ahead of a new request)."""
-        self.prompt_len = prompt_len  # first: a reader that sees the layers sees the length
-        self.compute_layers = compute_layers
-
-    def computing_since(self) -> float | None:
-        """When the receiving side began computing this handoff (monotonic), if it has."""
-        started = [self.entered[s] for s in (TransferState.PREFIX, TransferState.JOINING)
-                   if s in self.entered]
-        return min(started) if started else None
-
-    def compute(self, running: bool) -> None:
-        """The receiving side starts (True) or stops (False) computing this handoff: a suffix run
-        chunk by chunk waits for each chunk in between, and its load report must count only the
-        time it computed (`computed_s`)."""
-        now = time.monotonic()
-        with self._lock:
-            self._compute_timed = True
-            if running and self._computing_from is None:
-                self._computing_from = now
-            elif not running and self._computing_from is not None:
-                self._computed_s += now - self._computing_from
-                self._computing_from = None
-
-    def computed_s(self, now: float | None = None) -> float | None:
-        """Seconds the receiving side has computed this handoff by `now` (monotonic; default:
-        now): the time between `compute` calls where it made them, else all the time since it
-        began computing (`computing_since`); None before it began."""
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if self._compute_timed:
-                running = now - self._computing_from if self._computing_from is not None else 0.0
-                return self._computed_s + running
-        began = self.computing_since()
-        return None if began is None else now - began
 
     def fail(self, reason: str) -> None:
         """End the transfer as failed (no effect once it has ended)."""

@@ -30,6 +30,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TypeVar
 
+from rekv_core import env
+
 log = logging.getLogger("rekv.model.conversion_cache")
 
 CACHE_ENV = "REKV_MODEL_CACHE"
@@ -41,7 +43,7 @@ T = TypeVar("T")
 
 def cache_dir() -> Path:
     """Where entries are kept: `REKV_MODEL_CACHE`, else `~/.cache/rekv/models`."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+    return Path(env.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def entry_path(source: str | Path, kind: str, suffix: str, made_by: str = "") -> Path:

@@ -11,29 +11,34 @@ teaches only the link estimate):
 - m, the fixed cost of one data-plane message: what a prefix's time leaves unexplained by its bytes
   on the wire and its restore, per message (EWMA), from prefixes the suffix did not hold back;
 - the link rate: the median of its recent link samples (`LinkEstimate`; a sample is the bytes of a
-  handoff's back-to-back messages over the time they took to land, see `transport.arrivals`);
+  handoff's back-to-back messages over the time they took to land, see `transport.arrivals`, or a
+  link probe's, `observe_probe`: the estimate's one writer);
 - its recent handoffs by action and by kind (`RecentHandoffs`): the planner's `Evidence`.
 
-`offer(prompt_len, load)` turns all of it into the `DecodeCosts` the worker sends with a request.
+`offer(prompt_len, load)` turns all of it into the `DecodeCosts` the worker sends with a request;
+its link rate is None until the first sample. Until then the worker files its handoffs under the
+link prior (the services' `link_gbps`).
 
 Prefill side, `PrefillCalibration`: α, the encode cost per codec (profile or cached), γ_p, its
 prefill's cost per layer (the profile's, scaled by what its prefills after the first took), and the
 throughput of its own sends, which stands in for the link until the decode side has measured it
-(it includes encoding, so it is only a fallback). `cost_inputs(shape, prompt_len, costs)` joins the
-two sides' figures into the planner's `CostInputs`.
+(it includes encoding, so it is only a fallback; before any send, the link prior).
+`cost_inputs(shape, prompt_len, costs, ...)` joins the two sides' figures into the planner's
+`CostInputs`, marking the link unmeasured while the decode side offers no rate.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from rekv_core.handoff import Action, HandoffTimings, WireBytes
+from rekv_core.handoff import Order
 from rekv_core.model.executor import Model
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.cost import CostInputs
-from rekv_core.plan.estimates import Ewma, LayerCost, LinkEstimate
+from rekv_core.plan.estimates import LINK_PRIOR_GBPS, Ewma, LayerCost, LinkEstimate
+from rekv_core.plan.evidence import CodecCost, DecodeCosts, Evidence, HandoffObservation
 from rekv_core.plan.measure import measure_codec_costs
-from rekv_core.plan.planner import LINK_SAMPLE_BYTES, Evidence
+from rekv_core.plan.planner import LINK_SAMPLE_BYTES
 from rekv_core.plan.profile import Profile
 from rekv_core.plan.profile_cache import STARTUP_CODEC_LENGTH, cached_profile
 from rekv_core.plan.recent import RecentHandoffs
@@ -42,9 +47,6 @@ from rekv_core.units import MiB
 # `LINK_SAMPLE_BYTES` (from the planner, whose unmeasured-link choice prefers an action that sends
 # that much): a handoff's back-to-back runs must carry this much to time the link.
 
-# The decode side files its own handoffs under this link rate until its first link sample. It is
-# never offered to the planner: an offer says 0 (not measured) until then.
-UNMEASURED_LINK_GBPS = 10.0
 # While the suffix runs, the decode worker's UCX loop yields the core (`ucx_loop_nice`), so a prefix
 # that ends within this factor of the suffix's time was held back by it: its X says how long the
 # suffix took, not what a message costs.
@@ -52,49 +54,31 @@ PREFIX_HELD_BACK_RATIO = 1.2
 
 
 @dataclass(frozen=True)
-class DecodeCosts:
-    """The decode worker's side of eq. 9 for one request, and its evidence."""
+class Queues:
+    """The load both pools carry as a request is planned (`cost.CostInputs`'s load fields)."""
 
-    suffix_ms_per_layer: float  # γ at this prompt length under the worker's load, now
-    restore_ms_per_mib: dict[str, float]  # by codec, per MiB of BF16 KV
-    join_ms: float
-    message_ms: float
-    link_gbps: float  # the link as this worker measured it; 0: no sample yet
-    evidence: Evidence = field(default_factory=Evidence)
-    suffix_scale: float = 0.0  # measured suffix time over the profile's; 0: none measured yet
+    prefill_queue: int = 0  # other handoffs waiting for or running on the prefill's compute
+    decode_queue: int = 0  # other requests computing on the decode worker now
+    prefill_wait_ms: float = 0.0  # compute queued ahead on the prefill worker
+    decode_wait_ms: float = 0.0  # compute committed ahead on the decode worker
 
 
-@dataclass(frozen=True)
-class HandoffObservation:
-    """One completed handoff, as the decode worker saw it."""
-
-    action: Action
-    prompt_len: int
-    load: float  # requests computing on the decode worker while its suffix ran (mean), it included
-    timings: HandoffTimings  # the receiver's; they begin before the remote prefill
-    wire: WireBytes  # received
-    link_sample: tuple[int, float] | None  # (bytes, seconds), see `HandoffResult`
-    prefill_s: float  # the prefill worker's compute, from its response
-    modelled_ms: float  # the cost model's prediction of this action, from the prefill worker
-    streamed: bool = False  # sent from inside the prefill (its prefix came before the boundary)
-    pipelined: bool = False  # ... in token order
-
-    @property
-    def handoff_s(self) -> float:
-        """The seed's handoff time: from the end of the prefill to the complete cache."""
-        return max(0.0, self.timings.total_s - self.prefill_s)
-
-    @property
-    def boundary_s(self) -> float:
-        """H from the end of the prefill."""
-        return max(0.0, self.timings.h_s - self.prefill_s)
+def codec_costs(encode_ms_per_mib: dict[str, float], restore_ms_per_mib: dict[str, float]
+                ) -> dict[str, CodecCost]:
+    """The two sides' per-codec figures as one table (a side's missing figure: free)."""
+    return {codec: CodecCost(encode_ms_per_mib.get(codec, 0.0),
+                             restore_ms_per_mib.get(codec, 0.0))
+            for codec in {**encode_ms_per_mib, **restore_ms_per_mib}}
 
 
 class DecodeCalibration:
     """Thread-safe: its estimates lock themselves."""
 
     def __init__(self, shape: ModelShape, layer_cost: LayerCost,
-                 restore_ms_per_mib: dict[str, float], recent: RecentHandoffs | None = None):
+                 restore_ms_per_mib: dict[str, float], recent: RecentHandoffs | None = None,
+                 link_prior_gbps: float = LINK_PRIOR_GBPS):
+        if link_prior_gbps <= 0:
+            raise ValueError(f"link_gbps: must be positive, got {link_prior_gbps}")
         self.shape = shape
         self.layer_cost = layer_cost
         self.restore_ms_per_mib = dict(restore_ms_per_mib)
@@ -102,23 +86,25 @@ class DecodeCalibration:
         self.gamma_scale = Ewma(1.0)  # measured suffix time over the profile's prediction
         self.join_ms = Ewma(0.0)
         self.message_ms = Ewma(0.0)
-        self.link = LinkEstimate(UNMEASURED_LINK_GBPS, min_bytes=LINK_SAMPLE_BYTES)
+        self.link = LinkEstimate(min_bytes=LINK_SAMPLE_BYTES)
+        self.link_prior_gbps = link_prior_gbps
         self._warm = False  # a handoff has been observed
 
     @classmethod
-    def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str = ""
-                  ) -> DecodeCalibration:
+    def for_model(cls, model: Model, codecs: tuple[str, ...], profile: str = "",
+                  link_prior_gbps: float = LINK_PRIOR_GBPS) -> DecodeCalibration:
         """From a profile file, or this machine's cached profile when `profile` is empty
         (measured now if there is none); a codec the profile lacks is measured now too, never
         taken as free."""
         loaded = _profile(model, codecs, profile)
         return cls(model.shape, loaded.layer_cost,
-                   _codec_costs(model, codecs, loaded.restore_ms_per_mib, restore=True))
+                   _codec_costs(model, codecs, loaded.restore_ms_per_mib, restore=True),
+                   link_prior_gbps=link_prior_gbps)
 
     @property
     def link_gbps(self) -> float:
-        """The link estimate (`UNMEASURED_LINK_GBPS` before any sample)."""
-        return self.link.gbps
+        """The link estimate, or the prior before any sample: what handoffs are filed under."""
+        return self.link.or_prior(self.link_prior_gbps)
 
     def suffix_ms_per_layer(self, prompt_len: int, load: float) -> float:
         """γ now: the profile's, scaled by what recent suffixes took, times `load`, the requests
@@ -126,15 +112,19 @@ class DecodeCalibration:
         return self.layer_cost.at(prompt_len) * self.gamma_scale.value * max(1, load)
 
     def offer(self, prompt_len: int, load: float) -> DecodeCosts:
-        link = self.link.gbps
+        link = self.link_gbps
         return DecodeCosts(
             suffix_ms_per_layer=self.suffix_ms_per_layer(prompt_len, load),
             restore_ms_per_mib=dict(self.restore_ms_per_mib), join_ms=self.join_ms.value,
-            message_ms=self.message_ms.value, link_gbps=link if self.link.samples else 0.0,
+            message_ms=self.message_ms.value, link_gbps=self.link.gbps,
             evidence=Evidence(self.recent.corrections(link),
                               self.recent.measured(prompt_len, link),
                               self.recent.measured(prompt_len, link, pipelined=True)),
-            suffix_scale=self.gamma_scale.value if self.gamma_scale.samples else 0.0)
+            suffix_scale=self.gamma_scale.value if self.gamma_scale.samples else None)
+
+    def observe_probe(self, nbytes: int, seconds: float) -> float | None:
+        """A link probe's sample (`handoff.probe`); the estimate after it."""
+        return self.link.observe(nbytes, seconds)
 
     def observe(self, handoff: HandoffObservation) -> float | None:
         """Learn from one completed handoff; returns its link sample in Gb/s, if it had one."""
@@ -150,7 +140,7 @@ class DecodeCalibration:
             self._observe_prefix(handoff)
         self._warm = True
         self.recent.observe(handoff.action, handoff.prompt_len, handoff.modelled_ms,
-                            handoff.timings.total_s * 1e3, self.link.gbps, handoff.pipelined)
+                            handoff.timings.total_s * 1e3, self.link_gbps, handoff.pipelined)
         return sample_gbps
 
     def _observe_suffix(self, handoff: HandoffObservation) -> None:
@@ -168,7 +158,7 @@ class DecodeCalibration:
         if t.r_s > 0 and t.x_s <= PREFIX_HELD_BACK_RATIO * t.r_s:
             return
         layers = action.cut
-        wire_ms = (handoff.wire.prefix + handoff.wire.scales) * 8 / (self.link.gbps * 1e9) * 1e3
+        wire_ms = (handoff.wire.prefix + handoff.wire.scales) * 8 / (self.link_gbps * 1e9) * 1e3
         restore_ms = (self.restore_ms_per_mib.get(action.codec, 0.0) * layers
                       * self.shape.kv_layer_bytes(handoff.prompt_len) / MiB)
         # X runs from the boundary; transfer-only has none, and its X from the receive's start
@@ -178,12 +168,15 @@ class DecodeCalibration:
 
 
 class PrefillCalibration:
-    def __init__(self, quantize_ms_per_mib: dict[str, float], link_prior_gbps: float,
-                 layer_cost: LayerCost | None = None):
+    def __init__(self, quantize_ms_per_mib: dict[str, float],
+                 link_prior_gbps: float = LINK_PRIOR_GBPS, layer_cost: LayerCost | None = None):
+        if link_prior_gbps <= 0:
+            raise ValueError(f"link_gbps: must be positive, got {link_prior_gbps}")
         self.quantize_ms_per_mib = dict(quantize_ms_per_mib)
         # bytes over seconds of whole sends, encoding included: the link's stand-in until the
         # decode side has measured it
-        self.send_throughput = LinkEstimate(link_prior_gbps)
+        self.send_throughput = LinkEstimate()
+        self.link_prior_gbps = link_prior_gbps
         self.layer_cost = layer_cost  # γ_p by prompt length; None: the prefill is not counted
         # measured prefill compute over the layer cost's, for prefills run whole (False) and
         # streamed (True): a streamed prefill computes while its layers are sent, and where
@@ -201,15 +194,18 @@ class PrefillCalibration:
         return cls(_codec_costs(model, codecs, loaded.quantize_ms_per_mib, restore=False),
                    link_prior_gbps, loaded.layer_cost)
 
-    def link_gbps(self, offered_gbps: float) -> float:
-        """The decode side's measurement of the link when it has one, else this side's."""
-        return offered_gbps if offered_gbps > 0 else self.send_throughput.gbps
+    def link_gbps(self, offered_gbps: float | None) -> float:
+        """The decode side's measurement of the link when it has one, else this side's send
+        throughput, else the prior."""
+        if offered_gbps is not None:
+            return offered_gbps
+        return self.send_throughput.or_prior(self.link_prior_gbps)
 
     def prefill_ms_per_layer(self, prompt_len: int, streamed: bool = False,
-                             peer_scale: float = 0.0) -> float:
+                             peer_scale: float | None = None) -> float:
         """γ_p now: the layer cost at this length, scaled by what recent prefills of the same
         kind (streamed or whole) took; by the other kind's until one of this kind is seen; by
-        `peer_scale` (the decode side's measured suffix over its profile, > 0) until any is:
+        `peer_scale` (the decode side's measured suffix over its profile) until any is:
         the profiles of both sides err alike (a layer timed alone, not in the model's pass), so
         the side that measured first must not make the other look cheap."""
         if self.layer_cost is None:
@@ -217,23 +213,25 @@ class PrefillCalibration:
         scale = self.gamma_scale[streamed]
         if scale.samples == 0:
             scale = self.gamma_scale[not streamed]
-        if scale.samples == 0 and peer_scale > 0:
+        if scale.samples == 0 and peer_scale is not None:
             return self.layer_cost.at(prompt_len) * peer_scale
         return self.layer_cost.at(prompt_len) * scale.value
 
     def cost_inputs(self, shape: ModelShape, prompt_len: int, costs: DecodeCosts,
-                    streamed: bool = False, chunk_tokens: int = 0, order: str = "layers",
-                    prefill_queue: int = 0,
-                    decode_queue: int = 0, prefill_wait_ms: float = 0.0,
-                    decode_wait_ms: float = 0.0) -> CostInputs:
+                    streamed: bool = False, chunk_tokens: int = 0,
+                    orders: frozenset[Order] = frozenset({Order.LAYERS}),
+                    load: Queues = Queues()) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
-                          costs.suffix_ms_per_layer, self.quantize_ms_per_mib,
-                          costs.restore_ms_per_mib, costs.join_ms, message_ms=costs.message_ms,
+                          costs.suffix_ms_per_layer,
+                          codec_costs(self.quantize_ms_per_mib, costs.restore_ms_per_mib),
+                          costs.join_ms, message_ms=costs.message_ms,
                           prefill_ms_per_layer=self.prefill_ms_per_layer(
                               prompt_len, streamed, costs.suffix_scale),
-                          streamed=streamed, chunk_tokens=chunk_tokens, order=order,
-                          prefill_queue=prefill_queue, decode_queue=decode_queue,
-                          prefill_wait_ms=prefill_wait_ms, decode_wait_ms=decode_wait_ms)
+                          streamed=streamed, chunk_tokens=chunk_tokens, orders=orders,
+                          link_measured=costs.link_gbps is not None,
+                          prefill_queue=load.prefill_queue, decode_queue=load.decode_queue,
+                          prefill_wait_ms=load.prefill_wait_ms,
+                          decode_wait_ms=load.decode_wait_ms)
 
     def observe_prefill(self, layers: int, prompt_len: int, seconds: float,
                         streamed: bool = False) -> None:

@@ -39,8 +39,8 @@ and its wire time w = B_layer/W + m,
   layer then starts the decode side's link sample and the chunk, queued behind it, completes
   it, where a chunk sent first has nothing before it to time from.)
 
-Pipelined (`order` "tokens", or "either" where it predicts less; an interior cut, a codec that ranks
-no tokens): the prefill runs layers [0, c) one boundary chunk at a time, and each chunk's boundary
+Pipelined (`Order.TOKENS` among `orders`, alone or where it predicts less than layer order; an
+interior cut, a codec that ranks no tokens): the prefill runs layers [0, c) one boundary chunk at a time, and each chunk's boundary
 rows, then its c prefix rows, leave as soon as it has passed the cut. With n_k the chunk's rows and
 shares f_k = n_k/S: the chunk is computed, and then encoded, on the prefill's one thread,
 P_k = P_{k−1} + f_k·c·(γ_p + α_b) (from P_w); its boundary rows are in at
@@ -66,37 +66,34 @@ predictions sorted by predicted time; the first is the choice.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from rekv_core.codecs import get_codec
-from rekv_core.handoff.action import Action, layer_wire_bytes, wire_bytes
+from rekv_core.handoff import Action, Order, WireBytes, wire_bytes
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
+from rekv_core.plan.evidence import FREE, CodecCost
 from rekv_core.units import BF16_BYTES, MiB
-
-
-ORDERS = ("layers", "tokens", "either")
 
 
 @dataclass(frozen=True)
 class CostInputs:
     shape: ModelShape
     prompt_len: int
-    link_gbps: float  # the link estimate
+    link_gbps: float  # the link estimate, or its prior where `link_measured` is false
     suffix_ms_per_layer: float  # γ at this prompt length, now
-    quantize_ms_per_mib: dict[str, float] = field(default_factory=dict)  # α per MiB of BF16 KV
-    # decoding received prefix into the cache, per MiB of BF16 KV, by codec (absent: free)
-    restore_ms_per_mib: dict[str, float] = field(default_factory=dict)
+    # each codec's encode (α) and restore cost per MiB of BF16 KV (absent: free)
+    codec_costs: Mapping[str, CodecCost] = field(default_factory=dict)
     join_ms: float = 0.0
     link_latency_ms: float = 0.0
     message_ms: float = 0.0  # fixed cost of one data-plane message (round trip, probe, checks)
     prefill_ms_per_layer: float = 0.0  # γ_p at this prompt length, now; 0: not counted
     streamed: bool = False  # sent from inside the prefill, which stops at the cut
     chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
-    # streamed: "layers" (each prefix layer whole as computed), "tokens" (pipelined, where it
-    # applies) or "either" (whichever predicts less)
-    order: str = "layers"
+    # streamed: the orders the prefix may go in; the one that predicts less where token order
+    # applies (`pipelinable`), layer order where it does not
+    orders: frozenset[Order] = frozenset({Order.LAYERS})
+    link_measured: bool = True  # false: `link_gbps` is a prior, not a measurement
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
     prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
     decode_queue: int = 0  # other requests computing on the decode worker now
@@ -109,8 +106,12 @@ class CostInputs:
             raise ValueError(f"prompt_len: must be positive, got {self.prompt_len}")
         if self.suffix_ms_per_layer < 0:
             raise ValueError(f"suffix_ms_per_layer: must be >= 0, got {self.suffix_ms_per_layer}")
-        if self.order not in ORDERS:
-            raise ValueError(f"order: must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if not self.orders or not all(isinstance(o, Order) for o in self.orders):
+            raise ValueError(f"orders: must be a non-empty set of {[o.value for o in Order]}, "
+                             f"got {self.orders!r}")
+
+    def codec_cost(self, codec: str) -> CodecCost:
+        return self.codec_costs.get(codec, FREE)
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,9 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
         p = _predict_after_prefill(action, inputs)
     else:
         p = _predict_streamed(action, inputs)
-        if inputs.order != "layers" and pipelinable(action, inputs):
+        if Order.TOKENS in inputs.orders and pipelinable(action, inputs):
             tokens = _predict_pipelined(action, inputs)
-            if inputs.order == "tokens" or tokens.total_ms < p.total_ms:
+            if Order.LAYERS not in inputs.orders or tokens.total_ms < p.total_ms:
                 p = tokens
     load = (inputs.prefill_queue + inputs.decode_queue) * max(p.prefill_ms, p.r_ms)
     return dataclasses.replace(p, load_ms=load)
@@ -152,22 +153,22 @@ def pipelinable(action: Action, inputs: CostInputs) -> bool:
     """Whether `action` can go in token order under `inputs`' schedule."""
     return (inputs.streamed and inputs.chunk_tokens > 0
             and 0 < action.cut < inputs.shape.num_layers
-            and get_codec(action.codec).importance_window == 0)
+            and action.registered_codec.importance_window == 0)
 
 
 def _alpha_ms(action: Action, inputs: CostInputs) -> tuple[float, float]:
     """(encode, restore) ms of one layer in the action's codec."""
     layer_mib = inputs.shape.kv_layer_bytes(inputs.prompt_len) / MiB
-    return (inputs.quantize_ms_per_mib.get(action.codec, 0.0) * layer_mib,
-            inputs.restore_ms_per_mib.get(action.codec, 0.0) * layer_mib)
+    cost = inputs.codec_cost(action.codec)
+    return cost.encode_ms_per_mib * layer_mib, cost.restore_ms_per_mib * layer_mib
 
 
 def _boundary_ms_per_mib(action: Action, inputs: CostInputs) -> float:
     """Encoding plus decoding of one MiB of BF16 boundary, in the boundary's coding."""
     if action.boundary == "bf16":
         return 0.0
-    return (inputs.quantize_ms_per_mib.get(action.boundary, 0.0)
-            + inputs.restore_ms_per_mib.get(action.boundary, 0.0))
+    cost = inputs.codec_cost(action.boundary)
+    return cost.encode_ms_per_mib + cost.restore_ms_per_mib
 
 
 def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
@@ -183,7 +184,8 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
                           L * gamma, join, wire.total)
     alpha, restore = _alpha_ms(action, inputs)
     step = inputs.prefill_ms_per_layer + alpha
-    layer = layer_wire_bytes(action.codec, (shape.num_kv_heads, S, shape.head_dim))
+    layer = WireBytes.of_layer(action.registered_codec.layer_bytes(
+        (shape.num_kv_heads, S, shape.head_dim)))
     w = (layer.prefix + layer.scales) / per_ms + m
     wait = inputs.prefill_wait_ms
     prefill = c * inputs.prefill_ms_per_layer
@@ -249,9 +251,8 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
         r = L * gamma
         return Prediction(action, max(start + h, inputs.decode_wait_ms) + r + inputs.join_ms,
                           h, 0.0, r, inputs.join_ms, wire.total, prefill)
-    bf16_layer_mib = shape.kv_layer_bytes(S) / MiB
-    alpha = inputs.quantize_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib
-    restore = inputs.restore_ms_per_mib.get(action.codec, 0.0) * bf16_layer_mib * c
+    alpha, restore_layer = _alpha_ms(action, inputs)
+    restore = restore_layer * c
     h = (inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
          + _boundary_ms_per_mib(action, inputs) * shape.boundary_bytes(S, BF16_BYTES) / MiB)
     x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore

@@ -3,7 +3,8 @@
 `Ewma` is an exponentially weighted mean seeded with a prior. `LinkEstimate` is the median rate of
 the last `window` (bytes, seconds) samples, so one disturbed sample does not move it and a real
 change of link does within half a window; samples under `min_bytes` say more about latency than rate
-and are skipped. `LayerCost` is the suffix cost of one layer as a function of prompt length,
+and are skipped. Before its first sample it has no rate (`gbps` is None): whoever needs one then
+says which prior it takes (`LINK_PRIOR_GBPS`, the services' `link_gbps` setting, by default). `LayerCost` is the suffix cost of one layer as a function of prompt length,
 measured at a few lengths and interpolated (piecewise linear in S; beyond the last point it
 extrapolates along a quadratic through the origin, since attention grows with S²).
 """
@@ -17,6 +18,8 @@ import threading
 from collections.abc import Sequence
 
 from rekv_core.units import MiB
+
+LINK_PRIOR_GBPS = 10.0  # the link rate assumed before anything was measured (a setting's default)
 
 
 class Ewma:
@@ -37,21 +40,29 @@ class Ewma:
 
 
 class LinkEstimate:
-    def __init__(self, prior_gbps: float, min_bytes: int = MiB, window: int = 8):
-        if prior_gbps <= 0:
-            raise ValueError(f"link_gbps: must be positive, got {prior_gbps}")
-        self._prior = prior_gbps
+    def __init__(self, min_bytes: int = MiB, window: int = 8):
         self._rates: collections.deque[float] = collections.deque(maxlen=window)
         self.samples = 0
         self.min_bytes = min_bytes
         self._lock = threading.Lock()
 
     @property
-    def gbps(self) -> float:
+    def gbps(self) -> float | None:
+        """The median of the recent samples, Gb/s; None before the first."""
         with self._lock:
-            return statistics.median(self._rates) if self._rates else self._prior
+            return statistics.median(self._rates) if self._rates else None
 
-    def observe(self, nbytes: int, seconds: float) -> float:
+    @property
+    def measured(self) -> bool:
+        return self.samples > 0
+
+    def or_prior(self, prior_gbps: float) -> float:
+        """The estimate, or `prior_gbps` before the first sample."""
+        gbps = self.gbps
+        return prior_gbps if gbps is None else gbps
+
+    def observe(self, nbytes: int, seconds: float) -> float | None:
+        """Take a sample (kept when it carries at least `min_bytes`); the estimate after it."""
         if nbytes >= self.min_bytes and seconds > 0:
             with self._lock:
                 self._rates.append(nbytes * 8 / seconds / 1e9)

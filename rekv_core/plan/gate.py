@@ -37,6 +37,7 @@ from rekv_core.eval.spectrum_probe import PROBE_CONTEXT, NeedleTrial, probe_int4
 from rekv_core.kernels import ExponentHistogram
 from rekv_core.model import KVCache, Model, decode_greedy, extend, prefill
 from rekv_core.plan.policy import Policy
+from rekv_core.plan.policy_meta import PolicyMeta
 
 
 PROBE_TOKENS = 10  # greedy tokens decoded for a probe's answer
@@ -231,10 +232,11 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
         max_cut[codec] = passed
     return Policy(model=model.shape.name, prompt_len_range=(1, config.prompt_len),
                   max_cut=max_cut, epsilon=config.epsilon, verdicts=verdicts,
-                  meta={"prompt_len": config.prompt_len, "prompts": config.prompts,
-                        "continuation": config.continuation,
-                        "needle_depths": list(config.needle_depths),
-                        "bf16_needles": reference.needles, "dtype": str(model.dtype)})
+                  meta=PolicyMeta(prompt_len=config.prompt_len, prompts=config.prompts,
+                                  continuation=config.continuation,
+                                  needle_depths=tuple(config.needle_depths),
+                                  bf16_needles=tuple(reference.needles),
+                                  dtype=str(model.dtype)))
 
 
 def probe_spectrum(model: Model, tokenizer, context_len: int = PROBE_CONTEXT,

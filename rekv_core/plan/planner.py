@@ -2,7 +2,10 @@
 
 `Planner(policy).decide(inputs, codecs, evidence)` ranks every (b, c) the cost model predicts
 (`cost.choose`) and keeps only those the quality gate's policy allows for this prompt length
-(outside the policy's range, only lossless actions: BF16 and token-only). Following the seed, the
+(outside the policy's range, only lossless actions: BF16 and token-only). It returns a `Decision`
+whose `plan` is the `HandoffPlan` the sender executes: the action, its codec as the model deploys
+it (the policy's), the delivery in the order the prediction took, the boundary's codebook and the
+expected time. Following the seed, the
 final choice uses measured latency (`Evidence`, from the decode side's `RecentHandoffs`): an action
 that ran recently on the decode worker, at prompts of about this length over a link like today's,
 is expected to take its own median time, scaled to this prompt length by the cost model; any other
@@ -15,8 +18,8 @@ with what the planner expects of it, beside the same ranking.
 
 Cold, it does not trust what it has not measured:
 
-- while the link is unmeasured (`link_measured` false: the decode side has no link sample and the
-  rate in `inputs` is only a prior), it takes the action with the least worst-case regret (its
+- while the link is unmeasured (`CostInputs.link_measured` false: the decode side has no link sample
+  and the rate in `inputs` is only a prior), it takes the action with the least worst-case regret (its
   expected time over the best action's) across plausible link rates (`UNMEASURED_LINK_RANGE`, from
   a thousandth of the prior to ten times it); among actions near that least regret, one whose
   bytes land back-to-back before the decode side starts computing, enough to time the link
@@ -36,15 +39,16 @@ import enum
 import math
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
-from rekv_core.codecs import BASELINE_CODEC
-from rekv_core.handoff import Action, ActionKind, wire_bytes
+from rekv_core.codecs import BASELINE_CODEC, Codec, get_codec
+from rekv_core.handoff import Action, Delivery, HandoffPlan, Order, wire_bytes
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.plan.cost import CostInputs, Prediction, choose, predict
+from rekv_core.plan.evidence import Evidence, Measured
 from rekv_core.plan.policy import Policy
-from rekv_core.plan.recent import Measured, length_bucket
+from rekv_core.plan.recent import length_bucket
 from rekv_core.units import BF16_BYTES
 
 MIN_MEASURED = 3  # an action's own median counts from this many recent handoffs
@@ -65,18 +69,12 @@ EXPLORE_EVERY = 16
 EXPLORE_FACTOR = 1.5
 
 
-@dataclass(frozen=True)
-class Evidence:
-    """What the decode side's recent handoffs say, over a link like today's."""
-
-    over_model: Mapping[ActionKind, float] = field(default_factory=dict)  # by kind
-    measured: Mapping[Action, Measured] = field(default_factory=dict)  # this length's bucket
-    # the same of the handoffs sent pipelined (token order)
-    measured_pipelined: Mapping[Action, Measured] = field(default_factory=dict)
-
-    def usable(self, pipelined: bool) -> dict[Action, Measured]:
-        """The measurements, in this order, an action's expectation may rest on (`_usable`)."""
-        return _usable(self.measured_pipelined if pipelined else self.measured)
+def usable(evidence: Evidence, pipelined: bool) -> dict[Action, Measured]:
+    """The measurements in this order an action's expectation may rest on: at least
+    `MIN_MEASURED` handoffs."""
+    measured = evidence.measured_pipelined if pipelined else evidence.measured
+    return {action: m for action, m in measured.items()
+            if m.count >= MIN_MEASURED and m.median_ms > 0}
 
 
 class Ranked(NamedTuple):
@@ -95,14 +93,27 @@ class Rule(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Decision:
-    action: Action
-    predicted_ms: float  # expected, corrected by the evidence
+    plan: HandoffPlan  # what to send; its `predicted_ms` is the expected time, evidence included
     model_ms: float  # eq. 9's prediction of the chosen action, before the correction
     candidates: list[Ranked]  # every allowed action, best first
     inputs: CostInputs  # what the decision was made from
-    forced: bool = False
     rule: Rule = Rule.BEST
-    pipelined: bool = False  # the action is to go in token order (`cost`'s "either" chose it)
+
+    @property
+    def action(self) -> Action:
+        return self.plan.action
+
+    @property
+    def predicted_ms(self) -> float:
+        return self.plan.predicted_ms
+
+    @property
+    def pipelined(self) -> bool:
+        return self.plan.pipelined
+
+    @property
+    def forced(self) -> bool:
+        return self.rule is Rule.FORCED
 
     def as_dict(self) -> dict:
         return {"chosen": {"action": self.action.kind.value, "codec": self.action.codec,
@@ -142,26 +153,39 @@ class Planner:
             return False
         return self.policy.eligible(action)
 
+    def deployed(self, codec: str) -> Codec:
+        """The codec `codec` as this model deploys it (the policy's; ValueError naming it when the
+        gate's findings rule it out), else the registry's."""
+        return self.policy.codec(codec) if self.policy is not None else get_codec(codec)
+
     def decide(self, inputs: CostInputs, codecs: Iterable[str], evidence: Evidence = Evidence(),
-               forced: Action | None = None, link_measured: bool = True) -> Decision:
-        """`link_measured` false: `inputs.link_gbps` is a prior, not a measurement."""
+               forced: Action | None = None) -> Decision:
+        """The plan for this request: `forced`'s, evaluated as any other, else the choice."""
         codecs = list(codecs)
         ranked = [Ranked(p, expected_ms(p, inputs, evidence)) for p in choose(inputs, codecs)
                   if self.allowed(p.action, inputs.prompt_len)]
         ranked.sort(key=lambda r: (_cost(r), r.prediction.bytes))
         if forced is not None:
             prediction = predict(forced, inputs)
-            return Decision(forced, expected_ms(prediction, inputs, evidence),
-                            prediction.total_ms, ranked, inputs, forced=True, rule=Rule.FORCED,
-                            pipelined=prediction.pipelined)
-        if link_measured:
+            chosen, rule = Ranked(prediction, expected_ms(prediction, inputs, evidence)), \
+                Rule.FORCED
+        elif inputs.link_measured:
             chosen, rule = self._best(ranked, evidence, length_bucket(inputs.prompt_len))
         else:
             chosen, rule = safe_choice(ranked, inputs, codecs, evidence), Rule.UNMEASURED_LINK
             with self._lock:
                 self._last[length_bucket(inputs.prompt_len)] = chosen.prediction.action
-        return Decision(chosen.prediction.action, chosen.expected_ms, chosen.prediction.total_ms,
-                        ranked, inputs, rule=rule, pipelined=chosen.prediction.pipelined)
+        return Decision(self._plan(chosen, inputs), chosen.prediction.total_ms, ranked, inputs,
+                        rule)
+
+    def _plan(self, chosen: Ranked, inputs: CostInputs) -> HandoffPlan:
+        action = chosen.prediction.action
+        delivery = Delivery(inputs.streamed, inputs.chunk_tokens,
+                            Order.TOKENS if chosen.prediction.pipelined else Order.LAYERS)
+        codebook = self.policy.splitzip_codebook("boundary") if self.policy else None
+        return HandoffPlan(action, inputs.prompt_len, inputs.shape, delivery,
+                           self.deployed(action.codec) if action.cut else None,
+                           tuple(codebook) if codebook else None, chosen.expected_ms)
 
     def _best(self, ranked: list[Ranked], evidence: Evidence, key: int) -> tuple[Ranked, Rule]:
         known = _Known(evidence)
@@ -183,7 +207,7 @@ class _Known:
     """`ranked in known`: its action has recent measurements in its predicted order."""
 
     def __init__(self, evidence: Evidence):
-        self._by_order = {False: evidence.usable(False), True: evidence.usable(True)}
+        self._by_order = {False: usable(evidence, False), True: usable(evidence, True)}
 
     def __contains__(self, ranked: Ranked) -> bool:
         return ranked.prediction.action in self._by_order[ranked.prediction.pipelined]
@@ -278,12 +302,12 @@ def expected_ms(prediction: Prediction, inputs: CostInputs, evidence: Evidence =
     share the model's errors, such as an encoder slower than profiled); by its kind's ratio;
     the model's time alone."""
     action, pipelined = prediction.action, prediction.pipelined
-    usable = evidence.usable(pipelined)
-    own = usable.get(action)
+    measured = usable(evidence, pipelined)
+    own = measured.get(action)
     if own is not None:
         then_ms = _modelled_at(action, inputs, own.prompt_len, pipelined)
         return own.median_ms * prediction.total_ms / then_ms if then_ms > 0 else own.median_ms
-    nearest = _nearest_measured(action, usable)
+    nearest = _nearest_measured(action, measured)
     if nearest is not None:
         neighbour, seen = nearest
         then_ms = _modelled_at(neighbour, inputs, seen.prompt_len, pipelined)
@@ -293,18 +317,13 @@ def expected_ms(prediction: Prediction, inputs: CostInputs, evidence: Evidence =
     return prediction.total_ms * (factor if factor > 0 else 1.0)
 
 
-def _usable(measured: Mapping[Action, Measured]) -> dict[Action, Measured]:
-    """The measurements an action's expectation may rest on: at least `MIN_MEASURED` handoffs."""
-    return {action: m for action, m in measured.items()
-            if m.count >= MIN_MEASURED and m.median_ms > 0}
-
-
 def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int, pipelined: bool = False
                  ) -> float:
     """The model's time for `action` in this order at `prompt_len`, other inputs as now (γ linear
     in S)."""
     if inputs.streamed:
-        inputs = dataclasses.replace(inputs, order="tokens" if pipelined else "layers")
+        inputs = dataclasses.replace(
+            inputs, orders=frozenset({Order.TOKENS if pipelined else Order.LAYERS}))
     if prompt_len != inputs.prompt_len:
         inputs = dataclasses.replace(
             inputs, prompt_len=prompt_len,

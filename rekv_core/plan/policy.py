@@ -5,7 +5,7 @@ JSON written by `rekv gate`, read by the planner and the services:
     {"model": "smollm2-135m", "prompt_len_range": [lo, hi], "epsilon": 0.01,
      "eligible": [{"codec": "int8", "max_cut": 30}, {"codec": "bf16", "max_cut": 30}],
      "verdicts": [{"codec": ..., "cut": ..., "eligible": ..., "reasons": [...], figures...}],
-     "meta": {...}}
+     "meta": {...}}                      # `policy_meta.PolicyMeta`
 
 A codec's eligible cuts are 1..max_cut (layers 0..c−1 travel in that codec; fewer quantized layers
 never add error, so a passing cut vouches for every smaller one); `max_cut: 0` means the codec is
@@ -24,6 +24,7 @@ from rekv_core.codecs import Codec, get_codec
 from rekv_core.codecs.spectrum import SpectrumCodec
 from rekv_core.codecs.splitzip import SplitZipCodec
 from rekv_core.handoff import Action
+from rekv_core.plan.policy_meta import PolicyMeta
 
 
 @dataclass
@@ -33,7 +34,10 @@ class Policy:
     max_cut: dict[str, int]  # codec -> largest eligible cut
     epsilon: float = 0.01
     verdicts: list[dict] = field(default_factory=list)
-    meta: dict = field(default_factory=dict)
+    meta: PolicyMeta = field(default_factory=PolicyMeta)
+
+    def __post_init__(self) -> None:
+        self.meta = PolicyMeta.from_json(self.meta)  # a dict, as the file has it, is read
 
     def eligible(self, action: Action) -> bool:
         return action.lossless or (action.cut <= self.max_cut.get(action.codec, 0)
@@ -42,7 +46,8 @@ class Policy:
     def splitzip_codebook(self, kind: str) -> list[int] | None:
         """The model's SplitZip exponent codebook for `kind` ("kv" or "boundary"), calibrated by
         `rekv gate` (`gate.calibrate_splitzip`); None when the policy has none."""
-        codebook = self.meta.get("splitzip", {}).get(kind)
+        codebooks = self.meta.splitzip
+        codebook = getattr(codebooks, kind) if codebooks else None
         return list(codebook) if codebook else None
 
     def codec(self, name: str) -> Codec:
@@ -55,7 +60,7 @@ class Policy:
         return codec
 
     def spectrum_tiers(self) -> int:
-        return spectrum_tiers(self.meta)
+        return self.meta.spectrum_tiers
 
     def covers(self, prompt_len: int) -> bool:
         low, high = self.prompt_len_range
@@ -65,11 +70,11 @@ class Policy:
         return {"model": self.model, "prompt_len_range": list(self.prompt_len_range),
                 "epsilon": self.epsilon,
                 "eligible": [{"codec": c, "max_cut": m} for c, m in self.max_cut.items()],
-                "verdicts": self.verdicts, "meta": self.meta}
+                "verdicts": self.verdicts, "meta": self.meta.to_json()}
 
     def merged(self, newer: Policy) -> Policy:
         """This policy with `newer`'s verdicts added: a codec `newer` evaluated takes its verdicts
-        and cut from `newer`, and `newer`'s meta wins key by key. Both must come from the same
+        and cut from `newer`, and `newer`'s meta wins field by field. Both must come from the same
         model, prompt lengths and evaluation (BF16 perplexity and passkeys), else `ValueError`;
         so is a new SpectrumKV tier mode that would leave an older SpectrumKV verdict standing for
         a codec form it did not score."""
@@ -78,22 +83,22 @@ class Policy:
                 and self.epsilon == newer.epsilon
                 and [v.get("bf16_perplexity") for v in mine]
                 == [v.get("bf16_perplexity") for v in theirs]
-                and self.meta.get("bf16_needles") == newer.meta.get("bf16_needles"))
+                and self.meta.bf16_needles == newer.meta.bf16_needles)
         if not same:
             raise ValueError("policy: the two come from different models or evaluations")
         codecs = set(newer.max_cut)
-        if spectrum_tiers(self.meta) != spectrum_tiers(newer.meta):
+        if self.meta.spectrum_tiers != newer.meta.spectrum_tiers:
             stale = sorted(c for c in self.max_cut if c not in codecs
                            and isinstance(get_codec(c), SpectrumCodec))
             if stale:
                 raise ValueError(
-                    f"policy: the SpectrumKV probe now gives {spectrum_tiers(newer.meta)} tiers, "
-                    f"not {spectrum_tiers(self.meta)}; gate {', '.join(stale)} again in this run")
+                    f"policy: the SpectrumKV probe now gives {newer.meta.spectrum_tiers} tiers, "
+                    f"not {self.meta.spectrum_tiers}; gate {', '.join(stale)} again in this run")
         return Policy(self.model, self.prompt_len_range,
                       {**{c: m for c, m in self.max_cut.items() if c not in codecs},
                        **newer.max_cut}, self.epsilon,
                       [v for v in self.verdicts if v["codec"] not in codecs] + newer.verdicts,
-                      {**self.meta, **newer.meta})
+                      self.meta.merged(newer.meta))
 
     def save(self, path: str | Path) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +110,8 @@ class Policy:
             return cls(model=data["model"], prompt_len_range=tuple(data["prompt_len_range"]),
                        max_cut={e["codec"]: int(e["max_cut"]) for e in data["eligible"]},
                        epsilon=float(data.get("epsilon", 0.01)),
-                       verdicts=list(data.get("verdicts", [])), meta=dict(data.get("meta", {})))
+                       verdicts=list(data.get("verdicts", [])),
+                       meta=PolicyMeta.from_json(data.get("meta", {})))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"policy: malformed ({exc!r})") from None
 
@@ -114,23 +120,17 @@ class Policy:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
-def spectrum_tiers(meta: dict) -> int:
-    """SpectrumKV's tier mode from the probe's verdict in a policy's meta: 2 (FP16 + INT8) when
-    the model does not tolerate INT4, else 3 (also when no probe ran: the gate's verdicts on the
-    3-tier codec stand on their own)."""
-    return int((meta.get("spectrum_probe") or {}).get("tiers", 3))
-
-
-def deployed_codec(name: str, meta: dict) -> Codec | None:
+def deployed_codec(name: str, meta: PolicyMeta | dict) -> Codec | None:
     """The codec `name` built with what the gate found for this model (a policy's `meta`): SplitZip
     with the model's KV codebook; SpectrumKV in the probe's tier mode, None when that mode has no
     form at the codec's budget (2 tiers need b >= 0.5). The registry's codec otherwise."""
+    meta = PolicyMeta.from_json(meta)
     codec = get_codec(name)
-    if name == "splitzip" and meta.get("splitzip", {}).get("kv"):
-        return SplitZipCodec(list(meta["splitzip"]["kv"]))
-    if isinstance(codec, SpectrumCodec) and spectrum_tiers(meta) != codec.tiers:
+    if name == "splitzip" and meta.splitzip and meta.splitzip.kv:
+        return SplitZipCodec(list(meta.splitzip.kv))
+    if isinstance(codec, SpectrumCodec) and meta.spectrum_tiers != codec.tiers:
         try:
-            return SpectrumCodec(codec.budget, tiers=spectrum_tiers(meta), sinks=codec.sinks,
+            return SpectrumCodec(codec.budget, tiers=meta.spectrum_tiers, sinks=codec.sinks,
                                  backend=codec.backend)
         except ValueError:  # the budget is below what the mode's cheapest tier costs
             return None

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from rekv_core import env
+
 from rekv_core.model.executor import Model
 from rekv_core.plan.estimates import LayerCost
 from rekv_core.plan.measure import measure_codec_costs
@@ -49,7 +51,7 @@ MEASURE_ROUNDS = 2  # each figure kept is the least of this many rounds
 
 def cache_dir() -> Path:
     """Where profiles are kept: `REKV_PROFILE_CACHE`, else `~/.cache/rekv/profiles`."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
+    return Path(env.get(CACHE_ENV) or DEFAULT_CACHE_DIR).expanduser()
 
 
 def machine_name(device: torch.device | str = "cpu") -> str:

@@ -29,15 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rekv_core.handoff import Action, ActionKind
-
-
-@dataclass(frozen=True)
-class Measured:
-    """Recent handoffs of one action: median time, median prompt length, how many."""
-
-    median_ms: float
-    prompt_len: int
-    count: int
+from rekv_core.plan.evidence import Measured
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,11 @@
 and imported only when chosen (`inprocess` for tests, demos and warm-up; `ucx` for the services).
 `pacing` emulates a slower link in front of any sender."""
 
-from rekv_core.transport.base import (Message, ReceiveState, SenderPool, TransportError,
-                                      TransportReceiver, TransportSender)
+from rekv_core.transport.base import (Message, Pending, ReceiveState, SenderPool,
+                                      TransportError, TransportReceiver, TransportSender)
 from rekv_core.transport.factory import (TRANSPORTS, TransportOptions, create_receiver,
                                          create_sender_pool)
 
-__all__ = ["Message", "ReceiveState", "SenderPool", "TRANSPORTS", "TransportError",
+__all__ = ["Message", "Pending", "ReceiveState", "SenderPool", "TRANSPORTS", "TransportError",
            "TransportOptions", "TransportReceiver", "TransportSender", "create_receiver",
            "create_sender_pool"]

@@ -37,7 +37,7 @@ Which side calls what:
 
 A receive's life cycle is the ordered `ReceiveState`: OPEN < DRAINING < CLOSED.
 
-`pending()` on each side reports what is still held (for leak checks: all zeros when idle);
+`pending()` on each side reports what is still held (`Pending`; for leak checks: `idle`);
 `connections()` on a receiver and a sender pool how many peer connections they hold.
 """
 
@@ -62,6 +62,31 @@ PREFETCH = 4
 
 class TransportError(RuntimeError):
     """A message stream that cannot be trusted (gap, duplicate, closed link)."""
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What one side of a transport still holds; all zero (`idle`) when nothing is in flight."""
+
+    open_requests: int = 0  # receiver: requests opened and not yet closed or aborted
+    buffered_messages: int = 0  # receiver: messages taken in and not yet received
+    draining_requests: int = 0  # receiver: aborted requests still discarding what arrives
+    in_flight_messages: int = 0  # sender: messages posted that have not yet left
+
+    @property
+    def idle(self) -> bool:
+        return self == Pending()
+
+    @property
+    def total(self) -> int:
+        return (self.open_requests + self.buffered_messages + self.draining_requests
+                + self.in_flight_messages)
+
+    def __add__(self, other: Pending) -> Pending:
+        return Pending(self.open_requests + other.open_requests,
+                       self.buffered_messages + other.buffered_messages,
+                       self.draining_requests + other.draining_requests,
+                       self.in_flight_messages + other.in_flight_messages)
 
 
 class ReceiveState(enum.IntEnum):
@@ -104,7 +129,7 @@ class TransportSender(ABC):
     def flush(self, request_id: str, timeout: float | None = None) -> None: ...
 
     @abstractmethod
-    def pending(self) -> dict[str, int]: ...
+    def pending(self) -> Pending: ...
 
     @property
     def broken(self) -> bool:
@@ -134,7 +159,7 @@ class TransportReceiver(ABC):
         self.close(request_id)
 
     @abstractmethod
-    def pending(self) -> dict[str, int]: ...
+    def pending(self) -> Pending: ...
 
     def connections(self) -> int:
         """Live connections from senders; transports without connections have none."""
@@ -193,10 +218,10 @@ class SenderPool(ABC):
         except Exception as exc:
             logger.warning("sender to %s: shutdown after loss failed: %s", address, exc)
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._lock:
             senders = list(self._senders.values())
-        return {"in_flight_messages": sum(s.pending()["in_flight_messages"] for s in senders)}
+        return sum((s.pending() for s in senders), Pending())
 
     def connections(self) -> int:
         """Senders held, one per receiver address (a broken one until it is replaced)."""

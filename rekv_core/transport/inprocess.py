@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from rekv_core import streams
-from rekv_core.transport.base import (Message, TransportError, TransportReceiver,
+from rekv_core.transport.base import (Message, Pending, TransportError, TransportReceiver,
                                       TransportSender)
 
 Fault = Callable[[Message], list[Message]]
@@ -156,9 +156,9 @@ class _InProcessSender(TransportSender):
             if failure is not None:
                 raise TransportError(f"request {request_id}: {failure}")
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._cond:
-            return {"in_flight_messages": sum(self._in_flight.values())}
+            return Pending(in_flight_messages=sum(self._in_flight.values()))
 
 
 class _InProcessReceiver(TransportReceiver):
@@ -213,7 +213,7 @@ class _InProcessReceiver(TransportReceiver):
             self._next_seq.pop(request_id, None)
             self._cond.notify_all()
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._cond:
-            return {"open_requests": len(self._inboxes),
-                    "buffered_messages": sum(len(q) for q in self._inboxes.values())}
+            return Pending(open_requests=len(self._inboxes),
+                           buffered_messages=sum(len(q) for q in self._inboxes.values()))

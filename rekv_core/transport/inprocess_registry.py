@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import threading
 
-from rekv_core.transport.base import Message, SenderPool, TransportReceiver, TransportSender
+from rekv_core.transport.base import (Message, Pending, SenderPool, TransportReceiver,
+                                      TransportSender)
 from rekv_core.transport.inprocess import InProcessLink
 
 _links: dict[str, InProcessLink] = {}
@@ -44,7 +45,7 @@ class RegisteredReceiver(TransportReceiver):
     def abort(self, request_id: str) -> None:
         self._link.receiver.abort(request_id)
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         return self._link.receiver.pending()
 
     def shutdown(self) -> None:

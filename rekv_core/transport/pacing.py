@@ -19,7 +19,7 @@ import collections
 import threading
 import time
 
-from rekv_core.transport.base import Message, TransportError, TransportSender
+from rekv_core.transport.base import Message, Pending, TransportError, TransportSender
 
 
 class PacedSender(TransportSender):
@@ -139,10 +139,10 @@ class PacedSender(TransportSender):
     def broken(self) -> bool:
         return self.inner.broken
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._cond:
             held = sum(self._held.values())
-        return {"in_flight_messages": held + self.inner.pending()["in_flight_messages"]}
+        return self.inner.pending() + Pending(in_flight_messages=held)
 
     def shutdown(self) -> None:
         with self._cond:

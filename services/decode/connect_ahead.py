@@ -7,9 +7,9 @@ one per decode worker on its first send there; and a streamed handoff rarely tim
 replica would wait for the connection (on the CPU bench, 250 ms of a 700 ms TTFT), and the
 planner would choose blind until some handoff happened to queue on the wire.
 
-`ConnectAhead(receiver, link)(peer)`, once `peer` accepts TCP connections, opens a probe receive
-on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, and feeds the
-probe's link sample to `link` (the decode calibration's `LinkEstimate`). It says how it went:
+`ConnectAhead(receiver, learner)(peer)`, once `peer` accepts TCP connections, opens a probe receive
+on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, and gives the
+probe's link sample to `learner` (the `DecodeConnector`, whose calibration holds the link estimate). It says how it went:
 True (connected), False (the replica refused, or its probe failed: its first handoff connects as
 it would have anyway), None (not reachable yet, busy probing for another worker, or its probe
 did not leave in time: worth trying again; `PrefillPool` does, with backoff). Probes go one at a
@@ -24,12 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import Protocol
 
 import grpc
 
 from rekv_core.handoff.probe import receive_probe
 from rekv_core.handoff.seal import new_key
-from rekv_core.plan.estimates import LinkEstimate
 from rekv_core.transport import TransportReceiver
 from services import wire_convert
 from services.calls import ConnectCall
@@ -61,22 +61,30 @@ RETRY = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
          grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
+class LinkLearner(Protocol):
+    """What learns from a probe (`DecodeConnector`)."""
+
+    link_measured: bool
+
+    def observe_probe(self, sample: tuple[int, float]) -> float | None: ...
+
+
 class ConnectAhead:
-    def __init__(self, receiver: TransportReceiver, link: LinkEstimate | None,
+    def __init__(self, receiver: TransportReceiver, learner: LinkLearner | None,
                  timeout_s: float = 30.0):
-        """`link` None: connect only, never probe (a transport that stamps no arrivals)."""
-        self.receiver, self.link = receiver, link
+        """`learner` None: connect only, never probe (a transport that stamps no arrivals)."""
+        self.receiver, self.learner = receiver, learner
         self.timeout_s = timeout_s
         self._probing = asyncio.Lock()  # one probe at a time: two would share the link
 
     async def __call__(self, peer) -> bool | None:
         if not await _listening(peer.address, self.timeout_s):
             return None  # not up yet; an RPC now would leave the channel in its failure backoff
-        if self.link is None or self.link.samples:
+        if self.learner is None or self.learner.link_measured:
             # a measured link needs no probe: one now would only slow the handoffs in flight
             return await self._connect(peer, None)
         async with self._probing:
-            probe = self.link.samples == 0  # unless the probe before this one measured it
+            probe = not self.learner.link_measured  # unless the probe before this measured it
             return await self._connect(peer, f"probe/{uuid.uuid4().hex}" if probe else None)
 
     async def _connect(self, peer, probe_id: str | None) -> bool | None:
@@ -115,7 +123,7 @@ class ConnectAhead:
                      peer.address, reply.probe_bytes, reply.probe_ms)
             return
         nbytes, seconds = sample
-        self.link.observe(nbytes, seconds)
+        estimate = self.learner.observe_probe(sample)
         log.info("prefill pool: link probe from %s: %.3f Gb/s (%d bytes back to back in %.1f "
-                 "ms); link estimate %.3f Gb/s", peer.address, nbytes * 8 / seconds / 1e9,
-                 nbytes, seconds * 1e3, self.link.gbps)
+                 "ms); link estimate %s Gb/s", peer.address, nbytes * 8 / seconds / 1e9,
+                 nbytes, seconds * 1e3, "none" if estimate is None else f"{estimate:.3f}")

@@ -1,28 +1,24 @@
 """One request's handoff on the decode worker: negotiate, receive, or recompute locally.
 
-`Handoffs.run(call, ids, time_remaining)` returns a complete cache and the first token's logits,
-however the handoff goes:
-1. a `Transfer` is made whose deadline is the call's, less the time a local recompute of the
-   prompt would take (so a failed handoff still leaves time to recover; at least half the call's
-   time is the handoff's), and the transfer is
-   opened on the data-plane receiver, which starts receiving at once (the cache is allocated while
-   the prefill side computes);
-2. the `Handoff` call goes to the least loaded prefill replica with this worker's offer and the
-   handoff's key; once this worker has measured the link, the plan that arrives first on the data
-   plane tightens the deadline to what the prefill side predicts (`transfer.allowed_s`; before,
-   the prediction rests on a prior and can be far too short); every wait obeys the deadline;
+`Handoffs.run(call, ids, time_remaining, queue)` returns a complete cache and the first token's
+logits, however the handoff goes:
+1. the connector begins it (`DecodeConnector.begin`): a `Transfer` with its deadline, a fresh key,
+   the receive opened on the data plane, which starts receiving at once (the cache is allocated
+   while the prefill side computes);
+2. the `Handoff` call goes to the least loaded prefill replica with the connector's offer and the
+   handoff's key; the plan that arrives first on the data plane sets the receive going (and, once
+   the link is measured, tightens the deadline to what the prefill side predicts); every wait
+   obeys the deadline;
 3. the cache is complete once every message has arrived and passed its checks; the reply, which
-   the prefill side sends once its last byte has left, teaches the calibration. A verified cache
-   whose reply is late (or lost) is kept: the reply only carries timings. A handoff that overlapped
-   another's, or began while this worker computed, gives no link sample: the other's messages
-   shared the wire and this worker's reader, so its arrivals time both, or the machine (under
-   load, samples of 0.02–0.08 Gb/s were seen on loopback and made every transfer look slow).
+   the prefill side sends once its last byte has left, must name the plan that arrived, and
+   teaches the connector (`learn`). A verified cache whose reply is late (or lost) is kept: the
+   reply only carries timings.
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
-or unauthenticated, a deadline passed) the receive is aborted, which drains whatever the prefill
-side still sends, and the prompt is recomputed here from its token ids, counted in
-`rekv_fallbacks_total` by reason; or, with `on_handoff_failure = fail`, the call ends with
-UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the prefill side) and the
-caller's cancel or deadline end the call instead.
+or unauthenticated, a reply that disagrees with the plan, a deadline passed) the receive is
+aborted, which drains whatever the prefill side still sends, and the prompt is recomputed here
+from its token ids, counted in `rekv_fallbacks_total` by reason; or, with `on_handoff_failure =
+fail`, the call ends with UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the
+prefill side) and the caller's cancel or deadline end the call instead.
 """
 
 from __future__ import annotations
@@ -31,19 +27,19 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 import torch
 
 from rekv_core.codecs import CorruptPayloadError
-from rekv_core.handoff import Action, WireBytes
-from rekv_core.handoff.seal import SealError, new_key
-from rekv_core.handoff.transfer import Transfer, TransferCancelled, allowed_s
+from rekv_core.connector import HandoffCall, HandoffReply, Pending
+from rekv_core.handoff import Action, HandoffResult, WireBytes
+from rekv_core.handoff.seal import SealError
+from rekv_core.handoff.transfer import TransferCancelled, allowed_s
 from rekv_core.model import KVCache
-from rekv_core.plan.calibration import HandoffObservation
 from services import wire_convert
-from services.calls import GenerateCall, HandoffCall, HandoffReply, HandoffReport
+from services.calls import GenerateCall, HandoffReport
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
 from services.errors import HandoffFailed, InvalidArgument
@@ -51,7 +47,6 @@ from services.errors import HandoffFailed, InvalidArgument
 log = logging.getLogger("rekv.decode")
 
 REPLY_GRACE_S = allowed_s(0.0)  # how long a complete cache waits for its late reply
-RECOMPUTE_RESERVE = 1.5  # the deadline keeps this many local recomputes of the prompt
 
 
 @dataclass(frozen=True)
@@ -90,81 +85,46 @@ def _call_failure(exc: grpc.aio.AioRpcError) -> _Failed:
     return _Failed(label, f"prefill: {code.name}: {exc.details()}")
 
 
-@dataclass(eq=False)
-class _Receive:
-    shared: bool  # another handoff was receiving, or this worker computing, during it
-
-
-class _Overlaps:
-    """The receives in flight, each marked once another overlaps it (event-loop thread only)."""
-
-    def __init__(self):
-        self._open: set[_Receive] = set()
-
-    def begin(self, computing: bool) -> _Receive:
-        mine = _Receive(shared=computing or bool(self._open))
-        for other in self._open:
-            other.shared = True
-        self._open.add(mine)
-        return mine
-
-    def end(self, mine: _Receive) -> None:
-        self._open.discard(mine)
-
-
 class Handoffs:
     def __init__(self, worker: DecodeWorker, prefill: PrefillPool):
         self.worker, self.prefill = worker, prefill
+        self.connector = worker.connector
         self.metrics = worker.metrics
         self.in_flight = 0
-        self._overlaps = _Overlaps()
 
     async def run(self, call: GenerateCall, ids: list[int], time_remaining: float | None,
                   queue: int) -> Handed:
-        worker = self.worker
+        connector = self.connector
         self.in_flight += 1
         in_flight = self.in_flight
         self.metrics.in_flight.set(self.in_flight)
         began = time.perf_counter()
-        deadline = None
-        if time_remaining is not None:
-            reserve = RECOMPUTE_RESERVE * worker.recompute_s(len(ids))
-            deadline = time.monotonic() + max(time_remaining - reserve, time_remaining / 2)
-        transfer = Transfer(f"{call.request_id}/{uuid.uuid4().hex}", deadline,
-                            worker.settings.handoff_timeout_s, worker.transfers,
-                            trust_predictions=worker.calibration.link.samples > 0)
-        key = new_key()  # this handoff's: only the chosen prefill worker learns it
-        receive = self._overlaps.begin(computing=worker.computing() > 0)
-        worker.receiver.open(transfer.transfer_id)  # 1
-        receiving = asyncio.ensure_future(asyncio.to_thread(
-            worker.receive, transfer, len(ids), call.max_new_tokens, key))
+        pending = connector.begin(call.request_id, len(ids), call.max_new_tokens,  # 1
+                                  time_remaining, f"{call.request_id}/{uuid.uuid4().hex}")
+        receiving = asyncio.ensure_future(asyncio.to_thread(connector.receive, pending))
         try:
             (result, sharing), reply = await self._negotiate(
-                call, ids, transfer, key, in_flight, queue, receiving)  # 2, 3
+                call, ids, pending, in_flight, queue, receiving)  # 2, 3
         except _Failed as failed:
-            transfer.fail(str(failed))
-            worker.receiver.abort(transfer.transfer_id)  # wakes the receiving thread
+            connector.abandon(pending, str(failed))  # wakes the receiving thread
             await asyncio.gather(receiving, return_exceptions=True)
             return await self._fallback(ids, len(ids) + call.max_new_tokens, began, failed)
         finally:
             if not receiving.done():  # cancelled, or the caller's own error
-                transfer.cancel()
-                worker.receiver.abort(transfer.transfer_id)
+                connector.cancel(pending)
                 await asyncio.gather(receiving, return_exceptions=True)
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
-            self._overlaps.end(receive)
-        if receive.shared:
-            result = replace(result, link_sample=None)
-        return self._learn(result, reply, len(ids), sharing)
+            connector.end(pending)
+        return self._learn(pending, result, reply, sharing)
 
-    async def _negotiate(self, call: GenerateCall, ids: list[int], transfer: Transfer,
-                         key: bytes, in_flight: int, queue: int, receiving: asyncio.Future):
-        worker = self.worker
-        offer = worker.offer(len(ids), in_flight, queue)
+    async def _negotiate(self, call: GenerateCall, ids: list[int], pending: Pending,
+                         in_flight: int, queue: int, receiving: asyncio.Future):
+        offer = self.connector.offer(len(ids), in_flight, queue)
+        transfer = pending.transfer
         request = wire_convert.handoff_request(HandoffCall(
-            call.request_id, transfer.transfer_id, ids, offer, call.forced_action, key,
-            worker.settings.encrypt_data_plane, call.forced_schedule))
+            call.request_id, transfer.transfer_id, ids, offer, call.forced_action,
+            pending.sealing, call.forced_delivery))
         try:
             peer = self.prefill.pick()
         except ConnectionError as exc:  # no replica known yet: never lose the request
@@ -187,6 +147,11 @@ class Handoffs:
             if not rpc.done():
                 rpc.cancel()  # the prefill side sees its call cancelled and stops sending
                 self.prefill.report(peer)
+        if reply is not None:
+            try:
+                self.connector.check_reply(result[0].plan, reply)
+            except ValueError as exc:
+                raise _Failed("prefill_error", f"prefill: {exc}") from None
         return result, reply
 
     def _reply(self, peer, rpc: asyncio.Future) -> HandoffReply:
@@ -207,27 +172,25 @@ class Handoffs:
         self.prefill.report(peer, reply.queue_depth)
         return reply
 
-    def _learn(self, result, reply: HandoffReply | None, prompt_len: int, sharing: float
-               ) -> Handed:
-        worker = self.worker
+    def _learn(self, pending: Pending, result: HandoffResult, reply: HandoffReply | None,
+               sharing: float) -> Handed:
         if reply is None:  # a verified cache whose reply never came: nothing to learn from
             log.warning("transfer complete but the prefill reply is late; not calibrating")
             report = HandoffReport(action=result.action, bytes=result.bytes,
-                                   measured_ms=result.timings.total_s * 1e3)
+                                   measured_ms=result.timings.total_s * 1e3,
+                                   delivery=result.plan.delivery)
             return Handed(result.cache, result.logits, report)
-        observed = HandoffObservation(
-            action=result.action, prompt_len=prompt_len, load=sharing, timings=result.timings,
-            wire=result.bytes, link_sample=result.link_sample, prefill_s=reply.prefill_ms / 1e3,
-            modelled_ms=reply.model_ms, streamed=result.streamed, pipelined=result.pipelined)
-        sample_gbps = worker.calibration.observe(observed)
-        self.metrics.record_received(observed, reply.predicted_ms, worker.bf16_bytes(prompt_len))
+        learned = self.connector.learn(pending, result, sharing, reply)
+        observed = learned.observation
+        self.metrics.record_received(observed, reply.predicted_ms,
+                                     self.worker.bf16_bytes(pending.prompt_len))
         t = result.timings
         report = HandoffReport(
             action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,
             measured_ms=observed.handoff_s * 1e3, prefill_ms=reply.prefill_ms, q_ms=reply.q_ms,
             h_ms=observed.boundary_s * 1e3, x_ms=t.x_s * 1e3, r_ms=t.r_s * 1e3,
-            j_ms=t.j_s * 1e3, schedule=reply.schedule)
-        return Handed(result.cache, result.logits, report, sample_gbps)
+            j_ms=t.j_s * 1e3, delivery=reply.delivery, prefill_link_gbps=reply.link_gbps)
+        return Handed(result.cache, result.logits, report, learned.link_sample_gbps)
 
     async def _fallback(self, ids: list[int], capacity: int, began: float,
                         failed: _Failed) -> Handed:
@@ -236,7 +199,7 @@ class Handoffs:
             raise HandoffFailed(f"handoff failed ({failed}); on_handoff_failure is fail")
         log.warning("handoff failed, recomputing the prompt locally: %s", failed)
         started = time.perf_counter()
-        cache, logits = await asyncio.to_thread(self.worker.recompute, ids, capacity)
+        cache, logits = await asyncio.to_thread(self.connector.recompute, ids, capacity)
         recompute_s = time.perf_counter() - started
         self.metrics.suffix.observe(recompute_s)
         report = HandoffReport(action=Action.token_only(self.worker.shape.num_layers),

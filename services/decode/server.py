@@ -60,16 +60,13 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         self.queue += 1  # 2
         metrics.queue.set(self.queue)
         try:
-            with worker.admission.admit(worker.handoff_memory(len(ids), call.max_new_tokens)):
+            with worker.admission.admit(worker.connector.memory(len(ids), call.max_new_tokens)):
                 async with self.slots:
                     handed = await self.handoffs.run(call, ids, context.time_remaining(),
                                                      self.queue)  # 3-6
-                    worker.generating += 1
-                    try:
+                    with worker.connector.load.generating():
                         async for response in self._generate(call, ids, handed, arrived):  # 7, 8
                             yield response
-                    finally:
-                        worker.generating -= 1
         except BaseException as exc:
             if isinstance(exc, grpc.aio.AbortError):
                 raise
@@ -117,7 +114,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                  "ttft_ms=%.1f new_tokens=%d fallback=%s request_ms=%.1f link_sample_gbps=%.3f "
                  "link_gbps=%.3f", call.request_id, len(ids), h.action.codec, h.action.cut,
                  h.measured_ms, h.predicted_ms, ttft * 1e3, len(tokens), h.fallback, total * 1e3,
-                 handed.link_sample_gbps or 0.0, worker.calibration.link_gbps)
+                 handed.link_sample_gbps or 0.0, worker.connector.link_gbps)
         yield wire_convert.summary_response(done)
 
 
@@ -125,7 +122,7 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
     pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s,
                        connect=lambda address: tls.secure_channel(settings, address),
-                       on_added=ConnectAhead(worker.receiver, worker.calibration.link))
+                       on_added=ConnectAhead(worker.receiver, worker.connector))
     await pool.start()
     servicer = DecodeServicer(worker, pool)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)

@@ -4,21 +4,18 @@
 first handoff needs it, and sends it the link probe (`rekv_core.handoff.probe`) it asks for.
 
 A `Handoff` call's life cycle:
-1. read the call and check it against this worker's limits and model (INVALID_ARGUMENT naming the
-   field);
-2. decide the action: the planner's choice from the decode side's offer and this worker's own
-   costs, or the forced action, which the planner evaluates the same way; and, for a default
-   streamed schedule, its order (layer by layer, or pipelined in token chunks);
-3. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
-   prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes), then
-   prefill the prompt (one prefill at a time, the wait for it bounded by the call's deadline):
-   streamed, only up to the cut;
-4. send the plan, the prefix layers and the boundary to the offer's data-plane address under the
-   call's transfer id (streamed: each layer as soon as it is computed; pipelined: each token
-   chunk's boundary rows and prefix rows as soon as it has passed the cut), and wait until every
-   byte has left, all within the call's deadline
-   (`Transfer`); a cancelled call (its decode peer gave up or vanished) stops the sending before
-   its next message and frees its buffers;
+1. read the call and check it against this worker's limits, its model and what its connector can
+   serve (INVALID_ARGUMENT naming the field);
+2. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
+   prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes);
+3. the connector decides the plan (`PrefillConnector.decide`): the planner's choice from the
+   decode side's offer and this side's own costs, or the forced action, which the planner
+   evaluates the same way, with the delivery and its order;
+4. the connector prefills the prompt (one prefill at a time, the wait for it bounded by the call's
+   deadline; streamed, only up to the cut) and sends the plan, the prefix and the boundary to the
+   offer's data-plane address under the call's transfer id, and waits until every byte has left,
+   all within the call's deadline (`Transfer`); a cancelled call (its decode peer gave up or
+   vanished) stops the sending before its next message and frees its buffers;
 5. record it and answer with the action, its prediction, every candidate and the timings.
 A failure at any step ends the call with the status `errors.status_for` gives it; the sender never
 leaves messages queued for a transfer it gave up.
@@ -32,9 +29,9 @@ import time
 
 import grpc
 
+from rekv_core.connector import Decision, HandoffCall, HandoffReply, SentHandoff
 from rekv_core.handoff.transfer import Transfer
 from services import wire_convert
-from services.calls import HandoffReply
 from services.errors import status_for
 from services.metrics import ServiceMetrics
 from services.prefill.worker import PrefillWorker
@@ -61,16 +58,14 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             call = wire_convert.handoff_call(request, worker.shape.name,  # 1
                                              worker.shape.num_layers)
             worker.check(call)
-            with worker.admission.admit(worker.handoff_memory(len(call.token_ids))):
+            with worker.admission.admit(worker.connector.memory(len(call.token_ids))):  # 2
                 remaining = context.time_remaining()
                 transfer = Transfer(call.transfer_id, None if remaining is None else
                                     time.monotonic() + remaining,
                                     worker.settings.handoff_timeout_s, worker.transfers)
-                schedule = worker.schedule(call)
-                decision = worker.decide(call, schedule, self.active - 1)  # 2
-                schedule = worker.ordered(schedule, decision)
+                decision = worker.connector.decide(call, self.active - 1)  # 3
                 sent = await _until_done(asyncio.to_thread(
-                    worker.handoff, call, decision, schedule, transfer), transfer)  # 3, 4
+                    worker.handoff, call, decision, transfer), transfer)  # 4
         except BaseException as exc:
             if transfer is not None:
                 transfer.fail(f"{type(exc).__name__}: {exc}")
@@ -85,34 +80,20 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
             await context.abort(code, str(exc))
         finally:
             if call is not None:
-                worker.handoff_ended(call)
+                worker.connector.ended(call.transfer_id)
             metrics.in_flight.dec()
             self.active -= 1
         report = sent.report  # 5
+        metrics.link.set(decision.inputs.link_gbps)
         metrics.record_sent(decision.action, sent.prefill_s, report.quantize_seconds, sent.send_s,
                             report.bytes, worker.bf16_bytes(len(call.token_ids)))
-        log.info("request=%s transfer=%s tokens=%d action=%s schedule=%s predicted_ms=%.1f "
-                 "prefill_ms=%.1f "
-                 "q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f offered_link_gbps=%.3f "
-                 "send_gbps=%.3f top=%s total_ms=%.1f queues=%d/%d waits_ms=%.0f/%.0f "
-                 "suffix_ms_per_layer=%.1f",
-                 call.request_id, call.transfer_id, len(call.token_ids), decision.action,
-                 schedule, decision.predicted_ms, sent.prefill_s * 1e3,
-                 report.quantize_seconds * 1e3,
-                 sent.send_s * 1e3, report.bytes.total, decision.inputs.link_gbps,
-                 call.offer.costs.link_gbps, worker.calibration.send_throughput.gbps,
-                 ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}/{p.total_ms:.0f}"
-                          for p, ms in decision.candidates[:4]),
-                 (time.perf_counter() - started) * 1e3, decision.inputs.prefill_queue,
-                 decision.inputs.decode_queue, decision.inputs.prefill_wait_ms,
-                 decision.inputs.decode_wait_ms,
-                 decision.inputs.suffix_ms_per_layer)
+        _log_handoff(call, decision, sent, time.perf_counter() - started)
         return wire_convert.handoff_response(HandoffReply(
             action=decision.action, predicted_ms=decision.predicted_ms,
             model_ms=decision.model_ms, prefill_ms=sent.prefill_s * 1e3,
             q_ms=report.quantize_seconds * 1e3, send_ms=sent.send_s * 1e3, bytes=report.bytes,
             link_gbps=decision.inputs.link_gbps, candidates=decision.candidates,
-            queue_depth=self.active, schedule=schedule))
+            queue_depth=self.active, delivery=decision.plan.delivery))
 
     async def Connect(self, request, context):
         try:
@@ -127,6 +108,24 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                  "connected" if connected.connected_now else "already connected",
                  connected.connect_s * 1e3, connected.probe_bytes, connected.probe_s * 1e3)
         return wire_convert.connect_response(connected)
+
+
+def _log_handoff(call: HandoffCall, decision: Decision, sent: SentHandoff, total_s: float
+                 ) -> None:
+    inputs, report = decision.inputs, sent.report
+    offered = call.offer.costs.link_gbps
+    log.info("request=%s transfer=%s tokens=%d action=%s delivery=%s predicted_ms=%.1f "
+             "prefill_ms=%.1f q_ms=%.1f send_ms=%.1f bytes=%d link_gbps=%.3f%s "
+             "offered_link_gbps=%s top=%s total_ms=%.1f queues=%d/%d waits_ms=%.0f/%.0f "
+             "suffix_ms_per_layer=%.1f", call.request_id, call.transfer_id, len(call.token_ids),
+             decision.action, decision.plan.delivery, decision.predicted_ms,
+             sent.prefill_s * 1e3, report.quantize_seconds * 1e3, sent.send_s * 1e3,
+             report.bytes.total, inputs.link_gbps, "" if inputs.link_measured else " (prior)",
+             "none" if offered is None else f"{offered:.3f}",
+             ",".join(f"{p.action.codec}/{p.action.cut}:{ms:.0f}/{p.total_ms:.0f}"
+                      for p, ms in decision.candidates[:4]),
+             total_s * 1e3, inputs.prefill_queue, inputs.decode_queue, inputs.prefill_wait_ms,
+             inputs.decode_wait_ms, inputs.suffix_ms_per_layer)
 
 
 async def _until_done(work, transfer: Transfer):

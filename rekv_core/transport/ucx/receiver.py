@@ -37,6 +37,7 @@ from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.base import (
     PREFETCH,
     Message,
+    Pending,
     ReceiveState,
     TransportError,
     TransportReceiver,
@@ -295,12 +296,12 @@ class UcxReceiver(TransportReceiver):
         """Endpoints of live senders (those of gone peers are released at the next connect)."""
         return sum(not e.closed for e in self._endpoints)
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._lock:
             inboxes = list(self._inboxes.values())
-            return {"open_requests": len(inboxes),
-                    "buffered_messages": sum(i.queue.qsize() for i in inboxes),
-                    "draining_requests": len(self._draining)}
+            return Pending(open_requests=len(inboxes),
+                           buffered_messages=sum(i.queue.qsize() for i in inboxes),
+                           draining_requests=len(self._draining))
 
     def shutdown(self) -> None:
         with self._lock:

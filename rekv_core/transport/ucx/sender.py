@@ -17,7 +17,8 @@ import time
 import torch
 
 from rekv_core import streams
-from rekv_core.transport.base import Message, SenderPool, TransportError, TransportSender
+from rekv_core.transport.base import (Message, Pending, SenderPool, TransportError,
+                                      TransportSender)
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import (check_buffer_count, encode_frame, message_tag,
                                              wire_view)
@@ -96,10 +97,10 @@ class UcxSender(TransportSender):
         with self._lock:
             self._orphans += [f.parts for f in futures if not f.done() or f.cancelled()]
 
-    def pending(self) -> dict[str, int]:
+    def pending(self) -> Pending:
         with self._lock:
-            return {"in_flight_messages": sum(not f.done() for fs in self._in_flight.values()
-                                              for f in fs)}
+            return Pending(in_flight_messages=sum(not f.done() for fs in self._in_flight.values()
+                                                  for f in fs))
 
     def shutdown(self) -> None:
         async def close():

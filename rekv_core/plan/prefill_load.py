@@ -1,6 +1,11 @@
-"""The decode-side compute of this prefill worker's handoffs in flight, for the offers that miss it.
+"""The prefill worker's load: its own compute queue, and the decode-side compute it has given out.
 
-A decode worker's offer counts the compute committed to it by the handoffs whose plan has reached
+`PrefillBacklog` is the predicted compute (ms) of the handoffs waiting for this worker's compute
+or running: the wait a new request's prefill has ahead of it (`CostInputs.prefill_wait_ms`).
+`add(ms)` counts one in and returns a `Once` that takes it out again.
+
+`AssignedWork`: the decode-side compute of this prefill worker's handoffs in flight, for the offers
+that miss it. A decode worker's offer counts the compute committed to it by the handoffs whose plan has reached
 it (`DecodeOffer.backlog_ms`), and names them (`DecodeOffer.planned`). Requests that arrive
 together were all offered before any of them was planned: the second one's offer does not know
 that the first was just given thirty layers to recompute there. `AssignedWork.unseen(decode,
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 
 class AssignedWork:
@@ -47,3 +52,36 @@ class AssignedWork:
                 self._ms.pop(transfer, None)
                 self._ended.pop(transfer, None)
             return sum(ms for to, ms in self._ms.values() if to == decode)
+
+
+class PrefillBacklog:
+    def __init__(self):
+        self._ms, self._lock = 0.0, threading.Lock()
+
+    @property
+    def ms(self) -> float:
+        with self._lock:
+            return max(0.0, self._ms)
+
+    def add(self, ms: float) -> Once:
+        """Count `ms` in; the returned callable takes it out again (once)."""
+        with self._lock:
+            self._ms += ms
+
+        def take_out() -> None:
+            with self._lock:
+                self._ms -= ms
+        return Once(take_out)
+
+
+class Once:
+    """Calls `fn` the first time it is called, never again (thread-safe)."""
+
+    def __init__(self, fn: Callable[[], object]):
+        self._fn, self._lock = fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()

@@ -7,9 +7,10 @@ the handoff was negotiated says little about that (the others may still be waiti
 prefills, or be done by then).
 
 `SharingMeter(count)` samples `count()` (the requests computing now, the measured one included)
-every `period_s` on a daemon thread and keeps the running integral for `history_s`.
-`average(t0, t1)` is the mean count over [t0, t1] (`time.perf_counter` times), from the integral;
-an interval shorter than two periods, or older than the history, gets the count now.
+every `period_s` on a daemon thread (`sample()`; with `start=False` the caller samples) and keeps
+the running integral for `history_s`. `average(t0, t1)` is the mean count over [t0, t1] (times of
+`clock`, `time.perf_counter` by default), from the integral; an interval shorter than two periods,
+or older than the history, gets the count now.
 """
 
 from __future__ import annotations
@@ -21,36 +22,40 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-log = logging.getLogger("rekv.decode")
+log = logging.getLogger(__name__)
 
 
 class SharingMeter:
     def __init__(self, count: Callable[[], int], period_s: float = 0.01,
-                 history_s: float = 300.0):
-        self._count, self._period = count, period_s
+                 history_s: float = 300.0, clock: Callable[[], float] = time.perf_counter,
+                 start: bool = True):
+        self._count, self._period, self._clock = count, period_s, clock
         self._times: deque[float] = deque(maxlen=max(2, int(history_s / period_s)))
         self._integrals: deque[float] = deque(maxlen=self._times.maxlen)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._times.append(time.perf_counter())
+        self._times.append(clock())
         self._integrals.append(0.0)
-        self._thread = threading.Thread(target=self._run, name="rekv-sharing", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="rekv-sharing", daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
-        last, integral = self._times[0], 0.0
         while not self._stop.wait(self._period):
             try:
-                count = self._count()
+                self.sample()
             except Exception:  # keep sampling; one bad read must not end the meter
                 log.exception("sharing meter: counting failed")
-                continue
-            now = time.perf_counter()
-            integral += count * (now - last)
-            last = now
-            with self._lock:
-                self._times.append(now)
-                self._integrals.append(integral)
+
+    def sample(self) -> None:
+        """Add the count now, held since the last sample, to the integral."""
+        count = self._count()
+        now = self._clock()
+        with self._lock:
+            integral = self._integrals[-1] + count * (now - self._times[-1])
+            self._times.append(now)
+            self._integrals.append(integral)
 
     def average(self, t0: float, t1: float) -> float:
         """Mean number of requests computing over [t0, t1] (at least the count now when the
@@ -65,7 +70,8 @@ class SharingMeter:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=1.0)
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
 
 
 def _integral_at(times: list[float], integrals: list[float], t: float) -> float:

@@ -1,0 +1,203 @@
+"""The decode side's connector: it offers, receives, and learns from each handoff.
+
+`DecodeConnector(model, calibration, receiver, options, transfers)` (or `for_model(...)`, which
+measures or loads this machine's profile) holds what the decode side learns about its costs and
+the link (`DecodeCalibration`: the link estimate's one writer, handoffs and probes alike), and its
+load (`DecodeLoad`, `SharingMeter`, `ReceiveOverlaps`). A request's handoff uses, in order:
+
+1. `offer(prompt_len, in_flight, queue)`: the `DecodeOffer` for the prefill side: this worker's
+   costs (γ for the requests generating here plus one), its evidence, its link estimate (None
+   until measured), and its load (the compute committed here by planned handoffs);
+2. `begin(request_id, prompt_len, max_new_tokens, time_remaining)`: a `Pending` handoff: its
+   `Transfer`, whose deadline is the call's less what a local recompute of the prompt would take
+   (at least half the call's time is the handoff's), trusting the prefill side's prediction once
+   the link is measured; a fresh key; the receive opened on the data plane, which starts taking
+   messages at once;
+3. `receive(pending)` (blocking, on a thread): the handoff's result, and how many requests
+   computed here on average while its suffix ran;
+4. `check_reply(plan, reply)`: the prefill side's reply must name the plan that arrived in-band;
+5. `learn(pending, result, sharing, reply)`: the `HandoffObservation` the calibration learned
+   from (a receive that another overlapped gives no link sample: its arrivals time both, or the
+   machine), and the link sample in Gb/s, if any;
+6. `end(pending)` always, once the handoff is over (event-loop thread).
+A failed handoff is given up with `abandon(pending, reason)`, and the prompt recomputed here by
+`recompute(ids, capacity)`, counted as this worker's load while it runs; a caller that gives up
+`cancel`s it. `observe_probe(sample)`
+takes a link probe's sample; `memory(prompt_len, max_new_tokens)` is what one request holds here,
+for admission control. Thread-safe, except where an event-loop thread is named.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from rekv_core.connector.calls import DecodeOffer, HandoffReply
+from rekv_core.handoff import (HandoffPlan, HandoffResult, Receiving, Sealing,
+                               receive_handoff)
+from rekv_core.handoff.transfer import Transfer, TransferBook
+from rekv_core.model import KVCache, Model, prefill
+from rekv_core.plan.calibration import DecodeCalibration
+from rekv_core.plan.decode_load import DecodeLoad, DecodeWork, Receive, ReceiveOverlaps
+from rekv_core.plan.estimates import LINK_PRIOR_GBPS
+from rekv_core.plan.evidence import HandoffObservation
+from rekv_core.plan.sharing import SharingMeter
+from rekv_core.transport import TransportReceiver
+from rekv_core.transport.base import PREFETCH
+
+RECOMPUTE_RESERVE = 1.5  # a handoff's deadline keeps this many local recomputes of the prompt
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    codecs: tuple[str, ...]  # the prefix codecs this worker accepts
+    chunk_tokens: int = 0  # the boundary chunk size it asks for
+    stall_s: float = 60.0  # the longest wait for one data-plane message
+    encrypt: bool = False  # have every data-plane buffer encrypted
+    link_prior_gbps: float = LINK_PRIOR_GBPS  # what it files handoffs under before a sample
+
+
+@dataclass
+class Pending:
+    """One handoff between `begin` and `end`."""
+
+    transfer: Transfer
+    sealing: Sealing
+    prompt_len: int
+    max_new_tokens: int
+    work: DecodeWork
+    receive: Receive
+
+
+@dataclass(frozen=True)
+class Learned:
+    observation: HandoffObservation
+    link_sample_gbps: float | None
+
+
+class DecodeConnector:
+    def __init__(self, model: Model, calibration: DecodeCalibration,
+                 receiver: TransportReceiver, options: DecodeOptions,
+                 transfers: TransferBook | None = None):
+        self.model, self.shape = model, model.shape
+        self.calibration, self.receiver, self.options = calibration, receiver, options
+        self.load = DecodeLoad(transfers or TransferBook())
+        self.sharing = SharingMeter(self.load.computing)
+        self.overlaps = ReceiveOverlaps()
+
+    @classmethod
+    def for_model(cls, model: Model, receiver: TransportReceiver, options: DecodeOptions,
+                  profile: str = "", transfers: TransferBook | None = None
+                  ) -> DecodeConnector:
+        calibration = DecodeCalibration.for_model(model, options.codecs, profile,
+                                                  options.link_prior_gbps)
+        return cls(model, calibration, receiver, options, transfers)
+
+    @property
+    def link_measured(self) -> bool:
+        return self.calibration.link.measured
+
+    @property
+    def link_gbps(self) -> float:
+        """The link estimate, or the prior before any sample."""
+        return self.calibration.link_gbps
+
+    def offer(self, prompt_len: int, in_flight: int, queue: int) -> DecodeOffer:
+        backlog = self.load.backlog(self.calibration.suffix_ms_per_layer,
+                                    self.shape.num_layers)
+        return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
+                           address=self.receiver.address, codecs=tuple(self.options.codecs),
+                           queue_depth=queue, handoffs_in_flight=in_flight,
+                           costs=self.calibration.offer(prompt_len, self.load.sharers()),
+                           accepts_streamed=True, accepts_pipelined=True,
+                           chunk_tokens=self.options.chunk_tokens,
+                           computing=self.load.computing(), backlog_ms=backlog.ms,
+                           planned=backlog.planned)
+
+    def recompute_s(self, prompt_len: int) -> float:
+        """What recomputing a prompt here would take now, by this worker's calibration."""
+        per_layer_ms = self.calibration.suffix_ms_per_layer(prompt_len, self.load.sharers())
+        return per_layer_ms * self.shape.num_layers / 1e3
+
+    def begin(self, request_id: str, prompt_len: int, max_new_tokens: int,
+              time_remaining: float | None, transfer_id: str) -> Pending:
+        """Event-loop thread. `transfer_id`: unique per handoff (the data plane's request id)."""
+        deadline = None
+        if time_remaining is not None:
+            reserve = RECOMPUTE_RESERVE * self.recompute_s(prompt_len)
+            deadline = time.monotonic() + max(time_remaining - reserve, time_remaining / 2)
+        transfer = Transfer(transfer_id, deadline, self.options.stall_s, self.load.transfers,
+                            trust_predictions=self.link_measured)
+        receive = self.overlaps.begin(computing=self.load.computing() > 0)
+        self.receiver.open(transfer_id)
+        return Pending(transfer, Sealing.fresh(self.options.encrypt), prompt_len,
+                       max_new_tokens, self.load.work(transfer), receive)
+
+    def receive(self, pending: Pending) -> tuple[HandoffResult, float]:
+        """The result, and the mean number of requests computing here (this one included) while
+        its suffix ran (1.0 for transfer-only, which computes nothing here)."""
+        called = time.perf_counter()
+        result = receive_handoff(self.model, self.receiver, pending.transfer, pending.sealing,
+                                 Receiving(prompt_len=pending.prompt_len,
+                                           extra_capacity=pending.max_new_tokens,
+                                           work=pending.work))
+        t = result.timings
+        if t.suffix_end_s <= 0.0:
+            return result, 1.0
+        return result, self.sharing.average(called + t.h_s, called + t.suffix_end_s)
+
+    def abandon(self, pending: Pending, reason: str) -> None:
+        """Give the handoff up: it fails, and its receive is aborted (which wakes its reader and
+        drains whatever the prefill side still sends)."""
+        pending.transfer.fail(reason)
+        self.receiver.abort(pending.transfer.transfer_id)
+
+    def cancel(self, pending: Pending) -> None:
+        """The caller gave up (cancelled, or past its deadline): wake the receive and drain."""
+        pending.transfer.cancel()
+        self.receiver.abort(pending.transfer.transfer_id)
+
+    def end(self, pending: Pending) -> None:
+        """Event-loop thread."""
+        self.overlaps.end(pending.receive)
+
+    @staticmethod
+    def check_reply(plan: HandoffPlan, reply: HandoffReply) -> None:
+        """ValueError when the reply names another action or delivery than the plan that
+        arrived on the data plane."""
+        if reply.action != plan.action or reply.delivery != plan.delivery:
+            raise ValueError(f"the reply names {reply.action} sent {reply.delivery}, the plan "
+                             f"on the data plane {plan.action} sent {plan.delivery}")
+
+    def learn(self, pending: Pending, result: HandoffResult, sharing: float,
+              reply: HandoffReply) -> Learned:
+        if pending.receive.shared:
+            result = replace(result, link_sample=None)
+        observation = HandoffObservation(
+            action=result.action, prompt_len=pending.prompt_len, load=sharing,
+            timings=result.timings, wire=result.bytes, link_sample=result.link_sample,
+            prefill_s=reply.prefill_ms / 1e3, modelled_ms=reply.model_ms,
+            streamed=result.plan.streamed, pipelined=result.plan.pipelined)
+        return Learned(observation, self.calibration.observe(observation))
+
+    def observe_probe(self, sample: tuple[int, float]) -> float | None:
+        """A link probe's (bytes, seconds); the link estimate after it."""
+        return self.calibration.observe_probe(*sample)
+
+    def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
+        """The prompt's cache and first logits, computed here."""
+        with self.load.recomputing(len(ids)):
+            out = prefill(self.model, ids, boundaries=())
+        return KVCache.from_layers(out.keys, out.values, capacity), out.logits
+
+    def memory(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Its cache, the boundary, the messages read ahead."""
+        shape, elem = self.shape, self.model.dtype.itemsize
+        cache = shape.num_layers * shape.kv_layer_bytes(prompt_len + max_new_tokens, elem)
+        read_ahead = PREFETCH * shape.kv_layer_bytes(prompt_len)
+        return cache + shape.boundary_bytes(prompt_len) + read_ahead
+
+    def close(self) -> None:
+        self.sharing.close()

@@ -1,0 +1,201 @@
+"""The prefill side's connector: it decides each handoff's plan and sends it.
+
+`PrefillConnector(model, calibration, planner, options)` (or `for_model(...)`, which loads the
+policy and this machine's profile) holds what the prefill side learns and plans with: its
+calibration (α, γ_p, its send throughput), the planner with the quality gate's policy, its compute
+queue (`PrefillBacklog`) and the decode-side compute it has given out (`AssignedWork`). Methods, in
+the order a `Prefill.Handoff` call uses them:
+
+- `check(call)`: a forced action or delivery this worker cannot serve (`BadRequest` naming
+  `forced_action.codec` or `forced_schedule.*`);
+- `decide(call, queue)`: the `Decision`, whose `plan` (`HandoffPlan`) says what to send and how:
+  the delivery is the forced one or this worker's default (streamed where the decode worker takes
+  it and `stream_handoff` is set, in the decode worker's chunk size), and the order is the
+  planner's where it may pick one (`pipeline_prefill`, the decode worker takes token order, and
+  both pools are idle: under load the measurements its model is corrected by mix load and order,
+  see `bench/results/throughput-orders/`), else the forced one, else layer order. `queue`: this
+  worker's other handoffs, waiting or running. The decision's decode-side compute is counted for
+  offers that do not know it yet, until `ended(transfer_id)`;
+- `send(call, decision, sender, transfer, hooks)`: prefill the prompt, one prefill at a time (one
+  model, one device), streamed up to the cut (token order: chunk by chunk) with each layer or chunk
+  sent as it is computed and the compute released at the cut, else every layer first; return when
+  every byte has left, within the transfer's deadline; learn the prefill's and the send's times;
+- `probe(sender, probe_id, key, timeout_s)`: send a link probe (`handoff.probe`), one at a time
+  (`Busy` while another runs: two would share the link, and each pins a thread);
+- `memory(prompt_len)`: what one handoff holds here, for admission control;
+- `link_gbps(offered)`: the link rate it plans with;
+- `ended(transfer_id)`.
+Thread-safe.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+from rekv_core.connector.calls import BadRequest, Busy, HandoffCall
+from rekv_core.handoff import Delivery, HandoffPlan, Order, SenderReport, send_handoff
+from rekv_core.handoff.probe import ProbeSent, send_probe
+from rekv_core.handoff.sender import SendHooks
+from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, LivePrefill, PrefillSource
+from rekv_core.handoff.transfer import Transfer
+from rekv_core.model import Model, prefill
+from rekv_core.plan.calibration import PrefillCalibration, Queues
+from rekv_core.plan.estimates import LINK_PRIOR_GBPS
+from rekv_core.plan.planner import Decision, Planner, common_codecs
+from rekv_core.plan.policy import Policy, shipped_policy
+from rekv_core.plan.prefill_load import AssignedWork, Once, PrefillBacklog
+from rekv_core.transport import TransportSender
+
+
+@dataclass(frozen=True)
+class PrefillOptions:
+    codecs: tuple[str, ...]  # the prefix codecs this worker may send
+    stream_handoff: bool = True  # send from inside the prefill where the decode worker takes it
+    pipeline_prefill: bool = True  # let the planner pick token order where it applies
+
+
+@dataclass(frozen=True)
+class SentHandoff:
+    prefill_s: float  # the prefill's compute
+    send_s: float  # first message posted to last byte gone
+    report: SenderReport
+
+
+class PrefillConnector:
+    def __init__(self, model: Model, calibration: PrefillCalibration, planner: Planner,
+                 options: PrefillOptions):
+        self.model, self.shape = model, model.shape
+        self.calibration, self.planner, self.options = calibration, planner, options
+        self.backlog = PrefillBacklog()
+        self.assigned = AssignedWork()
+        self._compute = threading.Lock()
+        self._probing = threading.Lock()
+
+    @classmethod
+    def for_model(cls, model: Model, options: PrefillOptions, profile: str = "",
+                  policy: str = "", link_prior_gbps: float = LINK_PRIOR_GBPS
+                  ) -> PrefillConnector:
+        """`profile`, `policy`: files (`rekv profile`, `rekv gate`); empty: this machine's
+        cached profile, and the policy shipped for the model (none: lossless actions only)."""
+        loaded = Policy.load(policy) if policy else shipped_policy(model.shape.name)
+        if loaded is not None and loaded.model != model.shape.name:
+            raise ValueError(f"policy: written for {loaded.model}, serving {model.shape.name}")
+        calibration = PrefillCalibration.for_model(model, options.codecs, profile,
+                                                   link_prior_gbps)
+        return cls(model, calibration, Planner(loaded), options)
+
+    def check(self, call: HandoffCall) -> None:
+        forced = call.forced_action
+        if forced is not None and forced.cut:
+            try:
+                self.planner.deployed(forced.codec)
+            except ValueError as exc:
+                raise BadRequest(f"forced_action.codec: {exc}") from None
+        self._delivery(call)
+
+    def decide(self, call: HandoffCall, queue: int = 0) -> Decision:
+        offer, costs = call.offer, call.offer.costs
+        delivery = self._delivery(call)
+        unseen = self.assigned.unseen(offer.address, offer.planned)
+        inputs = self.calibration.cost_inputs(
+            self.shape, len(call.token_ids), costs, delivery.streamed, delivery.chunk_tokens,
+            self._orders(call, delivery, queue),
+            Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen))
+        decision = self.planner.decide(inputs, common_codecs(self.options.codecs, offer.codecs),
+                                       costs.evidence, call.forced_action)
+        self.assigned.add(offer.address, call.transfer_id,
+                          (self.shape.num_layers - decision.action.cut)
+                          * costs.suffix_ms_per_layer)
+        return decision
+
+    def _delivery(self, call: HandoffCall) -> Delivery:
+        """The forced delivery (if the decode worker takes it), else this worker's default."""
+        offer, forced = call.offer, call.forced_delivery
+        if forced is None:
+            return Delivery(self.options.stream_handoff and offer.accepts_streamed,
+                            offer.chunk_tokens)
+        if forced.streamed and not offer.accepts_streamed:
+            raise BadRequest("forced_schedule.streamed: the decode worker does not take a "
+                             "streamed handoff")
+        if forced.pipelined and not offer.accepts_pipelined:
+            raise BadRequest("forced_schedule.pipelined: the decode worker does not take a "
+                             "pipelined handoff")
+        return forced
+
+    def _orders(self, call: HandoffCall, delivery: Delivery, queue: int) -> frozenset[Order]:
+        if call.forced_delivery is not None:
+            return frozenset({delivery.order})
+        free = (self.options.pipeline_prefill and call.offer.accepts_pipelined
+                and delivery.streamed and delivery.chunk_tokens > 0)
+        idle = queue == 0 and call.offer.computing == 0
+        return frozenset(Order) if free and idle else frozenset({Order.LAYERS})
+
+    def link_gbps(self, offered_gbps: float | None) -> float:
+        """The link rate this side plans with, given what a decode worker offers."""
+        return self.calibration.link_gbps(offered_gbps)
+
+    def ended(self, transfer_id: str) -> None:
+        self.assigned.ended(transfer_id)
+
+    def memory(self, prompt_len: int) -> int:
+        """Every layer's K and V and the hidden states the prefill keeps, and the encoded layers
+        until they have left (at most BF16-sized)."""
+        shape, elem = self.shape, self.model.dtype.itemsize
+        computed = shape.num_layers * shape.kv_layer_bytes(prompt_len, elem)
+        hidden = 2 * shape.boundary_bytes(prompt_len, elem)
+        return computed + hidden + shape.num_layers * shape.kv_layer_bytes(prompt_len)
+
+    def send(self, call: HandoffCall, decision: Decision, sender: TransportSender,
+             transfer: Transfer, hooks: SendHooks | None = None) -> SentHandoff:
+        """Prefill and send `decision.plan` under `transfer`, whose deadline bounds the wait for
+        the compute and for the last byte."""
+        plan = decision.plan
+        prompt_len = plan.seq_len
+        layers = plan.action.cut if plan.streamed else self.shape.num_layers
+        queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
+            prompt_len, plan.streamed, call.offer.costs.suffix_scale))
+        if layers and not self._compute.acquire(timeout=transfer.wait_s()):
+            queued()
+            raise TimeoutError(f"transfer {transfer.transfer_id}: no turn to compute before its "
+                               f"deadline")
+        release = Once(lambda: (self._compute.release() if layers else None, queued()))
+        try:
+            transfer.check()
+            started = time.perf_counter()
+            source = self._source(call, plan, release)
+            prefill_s = time.perf_counter() - started
+            send_start = time.perf_counter()
+            report = send_handoff(sender, plan, source, transfer, call.sealing, hooks)
+        finally:
+            release()
+        send_s = time.perf_counter() - send_start
+        if plan.streamed:  # the sends ran beside the compute: no link figure in them
+            prefill_s = source.compute_s
+        else:
+            self.calibration.observe_send(report.bytes.total, send_s)
+        self.calibration.observe_prefill(layers, prompt_len, prefill_s, plan.streamed)
+        return SentHandoff(prefill_s, send_s, report)
+
+    def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once) -> PrefillSource:
+        cut, window = plan.action.cut, plan.codec.importance_window
+        if plan.pipelined:
+            return ChunkedPrefill(self.model, call.token_ids, cut, plan.chunk_tokens,
+                                  on_done=release)
+        if plan.streamed:
+            return LivePrefill(self.model, call.token_ids, cut, on_done=release,
+                               importance_window=window)
+        out = prefill(self.model, call.token_ids, boundaries={cut, self.shape.num_layers},
+                      importance_window=window)
+        release()
+        return FinishedPrefill(out, call.token_ids, cut)
+
+    def probe(self, sender: TransportSender, probe_id: str, key: bytes | None,
+              timeout_s: float) -> ProbeSent:
+        if not self._probing.acquire(blocking=False):
+            raise Busy("probe: another probe is being sent; ask again later")
+        try:
+            return send_probe(sender, probe_id, key, timeout_s=timeout_s)
+        finally:
+            self._probing.release()
