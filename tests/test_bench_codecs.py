@@ -4,6 +4,7 @@ script writes, and the real-data section on a small synthetic model."""
 import importlib.util
 import json
 import math
+import types
 from pathlib import Path
 
 import pytest
@@ -36,18 +37,28 @@ def real():
     return codec_real
 
 
-def test_interleaved_timing_runs_every_case_warmups_plus_repeats_times(bench):
-    calls = {"a": 0, "b": 0, "c": 0}
+def test_interleaved_timing_runs_every_case_warmups_plus_repeats_times(bench, monkeypatch):
+    """On a clock only the cases move (1000 s per warm-up, then each round's given seconds):
+    every case warmed up untimed, then timed once per round in an order shuffled afresh, and
+    its median (not its mean) returned."""
+    now, log = [0.0], []
+    rounds_s = {"a": [5, 1, 4, 2, 3], "b": [10, 10, 40, 20, 90], "c": [7, 7, 7, 7, 700]}
 
     def case(key):
         def fn():
-            calls[key] += 1
+            log.append(key)
+            timed = log.count(key) - 3  # after its 2 warm-ups
+            now[0] += 1000.0 if timed < 0 else rounds_s[key][timed]
         return fn
 
-    seconds = bench.interleaved_medians({key: case(key) for key in calls}, 5,
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    seconds = bench.interleaved_medians({key: case(key) for key in rounds_s}, 5,
                                         torch.device("cpu"), warmups=2)
-    assert set(seconds) == set(calls) and all(s >= 0 for s in seconds.values())
-    assert calls == {"a": 7, "b": 7, "c": 7}
+    assert seconds == {"a": 3.0, "b": 20.0, "c": 7.0}
+    assert log[:6] == ["a", "a", "b", "b", "c", "c"] and len(log) == 6 + 5 * 3
+    rounds = [log[i:i + 3] for i in range(6, len(log), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)  # each case once per round
+    assert len({tuple(r) for r in rounds}) > 1  # in a fresh order (seed 0: not all alike)
 
 
 def test_the_json_keeps_its_fields_and_covers_every_codec(bench, tmp_path):

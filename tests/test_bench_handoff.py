@@ -1,6 +1,7 @@
 """`rekv bench handoff`: its statistics, its sweep and its JSON, on a small real run."""
 
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,17 @@ def test_median_ci_brackets_the_median_and_narrows_with_agreement():
     assert low <= median <= high
     assert high < 50.0  # the outlier does not drag the median's interval
     assert median_ci([7.0] * 12) == (7.0, (7.0, 7.0))
-    assert median_ci(samples) == median_ci(samples)  # seeded: reproducible
+    # seeded: a committed interval is recomputed from its samples, whatever the global random
+    # state; with 20 resamples each seed gives its own interval (pinned: any other draw differs)
+    assert (low, high) == (10.2, 12.5)
+    state = random.getstate()
+    try:
+        for global_seed in (1, 2):
+            random.seed(global_seed)
+            assert median_ci(samples, resamples=20) == (11.25, (10.35, 12.25))
+    finally:
+        random.setstate(state)
+    assert median_ci(samples, resamples=20, seed=3) == (11.25, (10.0, 13.0))
     with pytest.raises(ValueError, match="samples"):
         median_ci([])
 

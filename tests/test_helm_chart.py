@@ -3,9 +3,9 @@ ci/gpu-values.yaml, TLS off): helm lint and template, Kubernetes' schemas (kuber
 checkov, the prometheus-operator monitors (CRDs) structurally, the rendered contract (ports,
 labels, probes, TLS, NetworkPolicy, security), and golden copies ci/golden/<name>.yaml (without
 the dashboard ConfigMaps, which hold dashboards/*.json; the generated TLS Secret's random data as
-GENERATED): `REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden` rewrites them. Tools
-(.tools/bin, else PATH): `bash .ci/install-helm.sh`, `bash .ci/install-linters.sh`; tests skip,
-saying so, where their tool is missing."""
+GENERATED): `REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden` rewrites them and
+fails, saying so. Tools (.tools/bin, else PATH): `bash .ci/install-helm.sh`, `bash
+.ci/install-linters.sh`; tests skip, saying so, where their tool is missing."""
 
 from __future__ import annotations
 
@@ -391,10 +391,10 @@ def comparable(text: str) -> str:
 
 @pytest.mark.parametrize("name", VALUE_SETS)
 def test_render_matches_golden_copy(helm, name):
-    text = comparable(template(helm, *VALUE_SETS[name]).stdout)
-    path = GOLDEN / f"{name}.yaml"
-    if os.environ.get("REKV_UPDATE_GOLDEN") == "1":
+    text, path = comparable(template(helm, *VALUE_SETS[name]).stdout), GOLDEN / f"{name}.yaml"
+    if os.environ.get("REKV_UPDATE_GOLDEN") == "1":  # then never a pass: it compares nothing
         path.write_text(text)
+        pytest.fail(f"REKV_UPDATE_GOLDEN=1: wrote {path.relative_to(ROOT)}, compared nothing")
     assert path.exists() and text == path.read_text(), (
         f"the chart renders differently from {path.relative_to(ROOT)}; if intended: "
         f"REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden")

@@ -65,21 +65,26 @@ def _run(services, request_id, prompt, n, forced=None, **kwargs):
 
 def test_the_data_plane_is_connected_and_the_link_timed_before_the_first_request(services):
     """The decode service was ready only after the prefill service had connected to it and sent
-    the link probe: no request waits for the connection, and the first is planned on a measured
-    link."""
+    the link probe, which timed the link: no request waits for the connection, and the first is
+    planned on a measured link. A request served now is logged after all of that."""
     pair, _ = services
+    _run(services, "after-connect", PROMPTS[0], 2, ("bf16", 30))
     decode_log = (pair.log_dir / "decode.log").read_text()
     prefill_log = (pair.log_dir / "prefill.log").read_text()
     connected = re.search(r"data plane: (\S+) connected in [\d.]+ ms; probe (\d+) bytes",
                           prefill_log)
     assert connected and connected.group(1) == pair.decode.info["ucx"]
     assert int(connected.group(2)) > 0
-    # timed, or (a reader kept from the core as the first message landed) timed nothing
-    probe = re.search(r"link probe from \S+(: [\d.]+ Gb/s| \(\d+ bytes in [\d.]+ ms\) timed "
-                      r"nothing).*\n(?:.*\n)*.*decode service ready", decode_log)
-    assert probe, decode_log[-2000:]
-    first_request = prefill_log.find("request=")
-    assert first_request == -1 or connected.start() < first_request
+    probe = re.search(r"link probe from \S+(: ([\d.]+) Gb/s| .* timed nothing)", decode_log)
+    assert probe, f"no link probe logged: {decode_log[-2000:]}"
+    assert probe.group(2) and float(probe.group(2)) > 0, f"the probe timed nothing: {probe[0]}"
+    ready = decode_log.find("decode service ready")
+    assert probe.end() < ready, decode_log[-2000:]
+    # every request came after these (the first logged on each side), and ours was served
+    assert connected.end() < prefill_log.find("request=")
+    assert ready < decode_log.find("request=")
+    assert re.search(r"request=after-connect transfer=\S+ tokens=\d+ action=", prefill_log)
+    assert re.search(r"request=after-connect tokens=\d+ action=\S+ handoff_ms=", decode_log)
 
 
 @pytest.mark.parametrize("forced", [("bf16", 30), ("bf16", 15), ("bf16", 0)],

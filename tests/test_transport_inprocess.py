@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rekv_core.transport import Message, TransportError
+from rekv_core.transport import inprocess
 from rekv_core.transport.inprocess import InProcessLink
 
 
@@ -54,15 +55,57 @@ def test_requests_are_isolated_and_strays_are_dropped():
             link.receiver.recv("a", timeout=0.1)
 
 
-def test_throttle_follows_bandwidth_and_latency():
+class _Clock:
+    """The in-process link's `time` with a clock that only sleeps move: how long each message
+    holds the wire and waits out its latency, exactly, whatever the machine's load."""
+
+    def __init__(self):
+        self.now, self.sleeps = 100.0, []
+        self._lock = threading.Lock()
+
+    def perf_counter(self):
+        with self._lock:
+            return self.now
+
+    def sleep(self, seconds):
+        with self._lock:
+            self.sleeps.append(seconds)
+            self.now += seconds
+
+
+def test_throttle_follows_bandwidth_and_latency(monkeypatch):
+    """Each message holds the wire for its bytes at the bandwidth, one after the other, and
+    becomes visible `latency_s` after leaving it: latency is pipelined, bandwidth is not."""
+    clock = _Clock()
+    monkeypatch.setattr(inprocess, "time", clock)
     nbytes = 1_000_000  # 8 Mbit at 0.4 Gbit/s: 20 ms on the wire
+    wire = 0.02 + 3 * 8 / 0.4e9  # and its 3 header bytes
+    with InProcessLink(bandwidth_gbps=0.4, latency_s=0.03) as link:
+        link.receiver.open("a")
+        for seq in range(3):
+            link.sender.send(_msg("a", seq, nbytes))
+        link.sender.flush("a", timeout=5)  # the wire's three 20 ms, and nothing else yet
+        assert clock.now - 100.0 == pytest.approx(3 * wire)
+        visible = []
+        for _ in range(3):
+            link.receiver.recv("a", timeout=5)
+            visible.append(clock.now - 100.0)
+        link.receiver.close("a")
+    # each visible 30 ms after leaving the wire, at 50, 70 and 90 ms (not 50, 100, 150): the
+    # receiver, first looking at 60 ms, has the first at once and waits for the other two
+    assert visible == pytest.approx([3 * wire, 2 * wire + 0.03, 3 * wire + 0.03])
+    assert clock.sleeps == pytest.approx([wire, wire, wire, 0.03 - wire, wire])
+
+
+def test_a_throttled_message_takes_at_least_its_wire_time_and_latency():
+    nbytes = 1_000_000  # 8 Mbit at 0.4 Gbit/s: 20 ms on the wire, then 30 ms latency
     with InProcessLink(bandwidth_gbps=0.4, latency_s=0.03) as link:
         link.receiver.open("a")
         start = time.perf_counter()
         link.sender.send(_msg("a", 0, nbytes))
         link.receiver.recv("a", timeout=5)
-        elapsed = time.perf_counter() - start
-        assert 0.05 <= elapsed < 0.5, elapsed
+        # a lower bound only: a loaded machine may take any longer
+        assert time.perf_counter() - start >= 0.05
         link.receiver.close("a")
 
 
