@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rekv_core.model.blocks import attend, attend_causal, linear
 from rekv_core.model.shapes import ModelShape
-from rekv_core.model.weights import LayerWeights, ModelWeights
+from rekv_core.model.weights_layout import LayerWeights, ModelWeights
 
 
 def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
