@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec_real import WIKITEXT, embedded_available, print_real, run_real  # noqa: E402
-from rekv_core.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.machine import machine_info  # noqa: E402
 from rekv_core.codecs import EncodeContext, codec_names, get_codec  # noqa: E402
 from rekv_core.codecs.base import EncodedKV  # noqa: E402
 from rekv_core.kernels import (  # noqa: E402

@@ -286,7 +286,7 @@ def write_results(out: Path, dashboard: dict, run: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rekv_core.bench.machine import cpu_model, git_commit
+    from rekv_cli.bench.machine import cpu_model, git_commit
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)

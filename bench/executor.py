@@ -53,7 +53,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rekv_core.bench.machine import cpu_model, machine_info  # noqa: E402
+from rekv_cli.bench.machine import cpu_model, machine_info  # noqa: E402
 from rekv_core.model import KVCache, Model, ModelShape, decode_step, load_weights  # noqa: E402
 from rekv_core.model.executor import embed, run_layers  # noqa: E402
 from rekv_core.model.static_decode import StaticDecoder  # noqa: E402

@@ -64,7 +64,7 @@ def sample(case: str, dtype: str, cache: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from rekv_core.bench.machine import machine_info
+    from rekv_cli.bench.machine import machine_info
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)

@@ -33,16 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rekv_cli.launcher import ServicePair  # noqa: E402
-from rekv_cli.linkbench.netns import EmulatedLink, unavailable  # noqa: E402
-from rekv_cli.linkbench.sweep import (  # noqa: E402
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable  # noqa: E402
+from rekv_cli.bench.link.sweep import (  # noqa: E402
     LinkBenchConfig,
     run_client,
     service_layout,
     start_services,
 )
+from rekv_cli.bench.machine import cpu_model, git_commit  # noqa: E402
+from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
-from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 
 L = get_preset(DEFAULT_MODEL).num_layers

@@ -78,10 +78,10 @@ from reliability_requests import (
     run_phase,
 )
 
+from rekv_cli.bench.machine import cpu_model, git_commit
+from rekv_cli.bench.memory import growth, memory_map, proc_status
 from rekv_cli.launcher import ServicePair
 from rekv_cli.util import write_json
-from rekv_core.bench.machine import cpu_model, git_commit
-from rekv_core.bench.memory import growth, memory_map, proc_status
 from rekv_core.model import Model, greedy_generate, load_weights
 from rekv_core.model.tokenizer import load_tokenizer
 

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from rekv_cli.bench.machine import machine_info
 from rekv_cli.util import csv_of, write_json
-from rekv_core.bench.machine import machine_info
 from rekv_core.codecs.checksum import checksums, default_algorithm
 from rekv_core.handoff.seal import decrypt, encrypt, new_key, open_message, seal, with_checksums
 from rekv_core.transport import Message

@@ -39,10 +39,10 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from rekv_cli.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_cli.client import generate  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
-from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 
 L = get_preset(DEFAULT_MODEL).num_layers

@@ -192,8 +192,8 @@ def _service_args(args: argparse.Namespace, model: str) -> list[str]:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from rekv_cli.bench.link.sweep import service_layout
     from rekv_cli.demo_link import DemoServices, link_rate, sigterm_as_interrupt
-    from rekv_cli.linkbench.sweep import service_layout
     from rekv_core.eval.needle import passkey_prompt
     from rekv_core.model.shapes import DEFAULT_MODEL, get_preset
     from rekv_core.settings import RuntimeSettings
@@ -254,7 +254,7 @@ def _send(console, services, warmups: list[dict], timed: list[dict], log_dir) ->
 def _meta(args, settings, rate, services, cores, service_args) -> dict:
     from dataclasses import asdict
 
-    from rekv_core.bench.machine import cpu_model, git_commit
+    from rekv_cli.bench.machine import cpu_model, git_commit
 
     return {"command": "rekv " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
             "cores": os.cpu_count(), "git_commit": git_commit(), "model": settings.model,

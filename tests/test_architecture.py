@@ -19,7 +19,7 @@ LAYERS = (
     ("rekv_core.codecs",),
     ("rekv_core.handoff",),
     ("rekv_core.plan",),
-    ("rekv_core.bench", "rekv_core.settings"),
+    ("rekv_core.settings",),
     ("services.rpc",),
     ("services",),  # what both services share: serving, settings, metrics, calls, wire_convert
     ("services.prefill", "services.decode"),

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from rekv_core.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
-from rekv_core.bench.stats import median_ci, paired_ratio
+from rekv_cli.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
+from rekv_cli.bench.stats import median_ci, paired_ratio
 from rekv_core.handoff.action import ActionKind
 
 ROW_KEYS = {"action", "codec", "cut", "prompt_len", "link_gbps", "bytes", "median_ms", "ci95_ms",

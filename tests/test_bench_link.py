@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rekv_cli.linkbench.netns import EmulatedLink, unavailable
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable
 from rekv_core.handoff import Action, wire_bytes
 from rekv_core.model import get_preset
 from rekv_core.plan.planner import Planner
@@ -130,7 +130,7 @@ def test_sigterm_stops_the_services_and_removes_the_namespaces(tmp_path):
 
 
 def test_newer_codecs_are_timed_streamed_and_splitzip_also_codes_the_boundary():
-    from rekv_cli.linkbench.sweep import forced_actions
+    from rekv_cli.bench.link.sweep import forced_actions
 
     plain = forced_actions(30, [9, 15])
     cases = forced_actions(30, [9, 15], chunk_tokens=256, codecs=["int4h", "splitzip"])
@@ -142,8 +142,8 @@ def test_newer_codecs_are_timed_streamed_and_splitzip_also_codes_the_boundary():
 
 
 def test_a_point_says_how_each_newer_codec_moved_its_best_case():
-    from rekv_cli.linkbench.report import point_summary
-    from rekv_core.bench.handoff import LinkRate
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.link.report import point_summary
 
     def case(label, kind, codec, cut, ms, schedule="chunked", boundary="bf16", planner=False):
         return {"label": label, "action": kind, "codec": codec, "cut": cut, "median_ms": ms,

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rekv_core.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.machine import machine_info  # noqa: E402
 
 PACKAGES = ("triton", "ucxx-cu13", "ucxx-cu12", "libucx-cu13", "libucx-cu12", "grpcio",
             "protobuf", "transformers")

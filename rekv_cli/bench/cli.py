@@ -1,5 +1,5 @@
 """`rekv bench handoff`, `rekv bench ttft` and `rekv bench link`: their flags, tables and JSON (the
-runs themselves are `rekv_core.bench.handoff`, `rekv_core.bench.ttft` and `rekv_cli.linkbench`)."""
+runs themselves are `rekv_cli.bench.handoff`, `rekv_cli.bench.ttft` and `rekv_cli.bench.link`)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def add_bench_parser(sub) -> None:
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from rekv_core.bench.handoff import BenchConfig, LinkRate, run_bench
+    from rekv_cli.bench.handoff import BenchConfig, LinkRate, run_bench
     from rekv_core.codecs import get_codec
     from rekv_core.settings import RuntimeSettings
 
@@ -200,8 +200,8 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_core.bench.handoff import LinkRate
-    from rekv_core.bench.ttft import PAIRED, SCHEDULES, TtftConfig, run_ttft_bench
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.ttft import PAIRED, SCHEDULES, TtftConfig, run_ttft_bench
     from rekv_core.codecs import get_codec
     from rekv_core.model.blocks import chunk_bounds
     from rekv_core.settings import RuntimeSettings
@@ -260,7 +260,7 @@ def print_paired(points: list[dict], ratios, console) -> None:
 
 
 def print_codec_gains(points: list[dict], console) -> None:
-    """The points' `codec_gains` (`rekv_core.bench.ttft.codec_gains`), where they have them."""
+    """The points' `codec_gains` (`rekv_cli.bench.ttft.codec_gains`), where they have them."""
     from rich.table import Table
 
     if not any(p.get("codec_gains") for p in points):
@@ -280,9 +280,9 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_cli.linkbench.report import LINK_PAIRED, plot
-    from rekv_cli.linkbench.sweep import LinkBenchConfig, run_link_bench
-    from rekv_core.bench.handoff import LinkRate
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.link.report import LINK_PAIRED, plot
+    from rekv_cli.bench.link.sweep import LinkBenchConfig, run_link_bench
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:
