@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
 from rekv_core.model.shapes import DEFAULT_MODEL
 
@@ -113,6 +114,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
@@ -157,7 +159,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
                       progress=console.log, codec_for=lambda name: deployed_codec(name, deployed))
     policy.max_cut.update({codec: 0 for codec in ruled_out})
     policy.meta.update({"text": Path(args.text).name,
-                        "command": "rekv " + " ".join(sys.argv[1:])})
+                        "command": "rekv " + " ".join(sys.argv[1:]), **started})
     if "splitzip" in args.codecs:
         policy.meta["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text),
                                                      args.prompt_len, SPLITZIP_CALIBRATION)

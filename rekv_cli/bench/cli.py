@@ -1,11 +1,13 @@
 """`rekv bench handoff`, `rekv bench ttft` and `rekv bench link`: their flags, tables and JSON (the
-runs themselves are `rekv_cli.bench.handoff`, `rekv_cli.bench.ttft` and `rekv_cli.bench.link`)."""
+runs themselves are `rekv_cli.bench.handoff`, `rekv_cli.bench.ttft` and `rekv_cli.bench.link`).
+Each command reads its `provenance` before anything else and records it in the JSON's meta."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
 
 
@@ -88,6 +90,7 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
 
     from rekv_cli.bench.handoff import BenchConfig, LinkRate, run_bench
@@ -113,7 +116,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
                          sequential_codecs=args.sequential_codecs, warmups=args.warmups,
                          runs=args.runs,
                          extra={"command": "rekv " + " ".join(sys.argv[1:])
-                                if sys.argv[0].endswith("rekv") else None})
+                                if sys.argv[0].endswith("rekv") else None, **started})
     console.print(f"{model.shape.name}: {model.shape.num_layers} layers, {model.dtype}, "
                   f"{model.device}, {threads} torch threads")
     results = run_bench(model, config, progress=lambda line: console.log(line))
@@ -197,6 +200,7 @@ def add_ttft_parser(which) -> None:
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
@@ -224,7 +228,7 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                         link_rates=[LinkRate.parse(t) for t in args.link_gbps], cuts=args.cuts,
                         codecs=args.codecs, chunk_tokens=args.chunk_tokens,
                         warmups=args.warmups, runs=args.runs,
-                        extra={"command": "rekv " + " ".join(sys.argv[1:])})
+                        extra={"command": "rekv " + " ".join(sys.argv[1:]), **started})
     results = run_ttft_bench(model, config, progress=console.log)
     table = Table(title="TTFT from arrival, best action of each schedule (median ms)")
     for column in ("S", "link", "Gb/s", *SCHEDULES, *(name for name, _ in PAIRED)):
@@ -277,6 +281,7 @@ def print_codec_gains(points: list[dict], console) -> None:
 
 
 def cmd_bench_link(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
@@ -310,7 +315,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                              runs=args.runs, service_args=service_args, log_dir=args.log_dir,
                              loopback=args.loopback, pin=args.pin, codecs=args.codecs)
     results = run_link_bench(model, config, progress=console.log)
-    results["meta"]["command"] = "rekv " + " ".join(sys.argv[1:])
+    results["meta"].update(command="rekv " + " ".join(sys.argv[1:]), **started)
     out = Console(width=160)
     for point in results["points"]:
         S, link = point["prompt_len"], point["link"]
