@@ -80,6 +80,7 @@ def _check(report, png):
         a / b for a, b in zip(rows[0]["samples_ms"], chunked["samples_ms"])))
     assert point["planner_within_10pct"] == (planner["median_ms"] <= 1.1 * best["median_ms"])
     assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
+    assert {"commit", "tree_clean", "started"} <= set(report["meta"])
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
