@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.codec_real import WIKITEXT, embedded_available, print_real, run_real  # noqa: E402
-from rekv_core.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 from rekv_core.codecs import EncodeContext, codec_names, get_codec  # noqa: E402
 from rekv_core.codecs.base import EncodedKV  # noqa: E402
 from rekv_core.kernels import (  # noqa: E402
@@ -165,6 +166,7 @@ def time_model(model: str, prompt_len: int, repeats: int, device: torch.device, 
 
 def run(models: list[str], prompt_len: int, repeats: int, device: torch.device,
         real: Callable[[], dict] | None = None, timing: bool = True) -> dict:
+    started = provenance()
     copy_gbps = copy_bandwidth(device, repeats) if timing else None
     rows, ceilings = [], []
     for model in models if timing else []:
@@ -172,7 +174,7 @@ def run(models: list[str], prompt_len: int, repeats: int, device: torch.device,
         rows += model_rows
         ceilings += model_ceilings
     return {
-        "machine": machine_info(device, torch.bfloat16, torch.get_num_threads()),
+        "machine": {**machine_info(device, torch.bfloat16, torch.get_num_threads()), **started},
         "command": " ".join(["python", *sys.argv]),
         "repeats": repeats, "warmups": WARMUPS, "order": "shuffled per repeat",
         "copy_gbps": copy_gbps,

@@ -286,8 +286,10 @@ def write_results(out: Path, dashboard: dict, run: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from rekv_core.bench.machine import cpu_model, git_commit
+    from rekv_cli.bench.machine import cpu_model
+    from rekv_cli.bench.provenance import provenance
 
+    started = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", default="15s", help="$__rate_interval of the picture")
@@ -305,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         end = time.time()
         prom = stack.prometheus
         run = {"dashboard": str(DASHBOARD.relative_to(ROOT)), "prometheus": prom.version,
-               "machine": f"{cpu_model()}, {os.cpu_count()} cores", "commit": git_commit(),
+               "machine": f"{cpu_model()}, {os.cpu_count()} cores", **started,
                "command": " ".join(["python bench/dashboard_picture.py", *(argv or [])]),
                "window": args.window, "start": start, "end": end, "traffic": traffic,
                "instant": evaluate(prom, dashboard, f"{int(end - start) + 5}s", end),

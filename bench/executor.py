@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,12 +51,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rekv_core.bench.machine import cpu_model, machine_info  # noqa: E402
+from rekv_cli.bench.machine import cpu_model, machine_info  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model import KVCache, Model, ModelShape, decode_step, load_weights  # noqa: E402
 from rekv_core.model.executor import embed, run_layers  # noqa: E402
 from rekv_core.model.static_decode import StaticDecoder  # noqa: E402
 from rekv_core.timing import median_seconds, synchronize  # noqa: E402
-from rekv_cli.util import write_json  # noqa: E402
 
 WARMUPS = 2
 DRY_RUN = {"model": "synthetic:smollm2-135m", "prompt_len": 256, "contexts": "128,512",
@@ -234,15 +233,6 @@ def clip_contexts(requested: list[int], steps: int, max_positions: int) -> list[
 
 # ---------------------------------------------------------------------------------- the report
 
-def git_commit() -> str:
-    """`git rev-parse HEAD` of this checkout, else $REKV_COMMIT, else "unknown"."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("REKV_COMMIT", "unknown")
-
-
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -250,15 +240,14 @@ def _version(package: str) -> str | None:
         return None
 
 
-def meta(args: argparse.Namespace, model: Model, device: torch.device) -> dict:
+def meta(args: argparse.Namespace, model: Model, device: torch.device, started: dict) -> dict:
     shape = model.shape
-    return {
+    return {**started,
         "machine": machine_info(device, model.dtype, torch.get_num_threads()),
         "torch": torch.__version__, "triton": _version("triton"),
         "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                         else cpu_model()),
         "command": " ".join(["python", *sys.argv]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": git_commit(),
         "model": args.model, "shape": {k: v for k, v in vars(shape).items()
                                        if isinstance(v, (int, float, str, bool))},
         "device": str(device), "dtype": str(model.dtype).removeprefix("torch."),
@@ -269,6 +258,7 @@ def meta(args: argparse.Namespace, model: Model, device: torch.device) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = provenance()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     contexts = clip_contexts(args.contexts, args.steps, model.shape.max_positions)
@@ -277,15 +267,15 @@ def run(args: argparse.Namespace) -> dict:
     prefill = time_prefill(model, args.prompt_len, args.repeats, ceilings["matmul"]["tflops"])
     decode = [row for c in contexts
               for row in time_decode(model, c, args.steps, args.repeats, ceilings)]
-    return {"meta": meta(args, model, device) | {"contexts_requested": args.contexts,
-                                                 "contexts": contexts},
+    return {"meta": meta(args, model, device, started) | {"contexts_requested": args.contexts,
+                                                          "contexts": contexts},
             "ceilings": ceilings, "prefill": prefill, "decode": decode}
 
 
 def print_table(result: dict) -> None:
     m, c, p = result["meta"], result["ceilings"], result["prefill"]
     print(f"{m['model']} on {m['device_name']} ({m['device']}, {m['dtype']}), torch {m['torch']}, "
-          f"commit {m['commit'][:12]}")
+          f"commit {(m['commit'] or 'unknown')[:12]}")
     mm = c["matmul"]
     print(f"ceilings: matmul N={mm['n']} {mm['tflops']:.2f} TFLOP/s; copy "
           f"{c['copy_gbps']:.1f} GB/s; read {c['read_gbps']:.1f} GB/s "

@@ -64,8 +64,10 @@ def sample(case: str, dtype: str, cache: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from rekv_core.bench.machine import machine_info
+    from rekv_cli.bench.machine import machine_info
+    from rekv_cli.bench.provenance import provenance
 
+    started = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -99,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"cached start: {ratio:.1f}x faster than converting; {beyond:.2f} s beyond the imports")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "machine": machine_info(torch.device("cpu"), getattr(torch, args.dtype),
-                                    torch.get_num_threads()),
+            "machine": {**machine_info(torch.device("cpu"), getattr(torch, args.dtype),
+                                       torch.get_num_threads()), **started},
             "command": "python bench/model_load.py " + " ".join(argv or sys.argv[1:]),
             "rounds": args.rounds, "medians": medians, "samples": samples,
             "convert_over_cached": ratio, "cached_beyond_imports_s": beyond}, indent=1) + "\n")

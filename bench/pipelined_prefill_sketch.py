@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 from rekv_core.model import KVCache, executor, prefill, run_layers_chunk  # noqa: E402
 from rekv_core.model.blocks import chunk_bounds  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL  # noqa: E402
@@ -70,6 +71,7 @@ def pipelined(model, ids, cut: int, chunk: int) -> float:
 
 
 def main(argv=None) -> int:
+    started = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--cuts", default="10,15,20")
@@ -97,7 +99,8 @@ def main(argv=None) -> int:
     for case, r in result.items():
         print(f"{case:10s} {r['median_ms']:8.0f} ms  {r['over_colocated']:.2f} of colocated")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
+        Path(args.json).write_text(json.dumps({"meta": started, "args": vars(args),
+                                               "result": result}, indent=1))
     return 0
 
 

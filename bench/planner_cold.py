@@ -33,16 +33,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rekv_cli.launcher import ServicePair  # noqa: E402
-from rekv_cli.linkbench.netns import EmulatedLink, unavailable  # noqa: E402
-from rekv_cli.linkbench.sweep import (  # noqa: E402
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable  # noqa: E402
+from rekv_cli.bench.link.sweep import (  # noqa: E402
     LinkBenchConfig,
     run_client,
     service_layout,
     start_services,
 )
+from rekv_cli.bench.machine import cpu_model  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
-from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 
 L = get_preset(DEFAULT_MODEL).num_layers
@@ -143,6 +144,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--seed", type=int, default=None)
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="rekv-cold-"))
     points = [run_point(p, args, log_dir, i)
               for i, p in enumerate(draw_points(seed, args.points, args.rates, args.lengths))]
-    results = {"meta": {"machine": cpu_model(), "commit": git_commit(), "seed": seed,
+    results = {"meta": {**started, "machine": cpu_model(), "seed": seed,
                         "command": "python bench/planner_cold.py " + " ".join(sys.argv[1:]),
                         "dtype": args.dtype, "model": DEFAULT_MODEL, "cases": CASES},
                "points": points,

@@ -47,7 +47,6 @@ import argparse
 import os
 import random
 import re
-import subprocess
 import sys
 import time
 import urllib.request
@@ -78,10 +77,11 @@ from reliability_requests import (
     run_phase,
 )
 
+from rekv_cli.bench.machine import cpu_model
+from rekv_cli.bench.memory import growth, memory_map, proc_status
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.launcher import ServicePair
 from rekv_cli.util import write_json
-from rekv_core.bench.machine import cpu_model, git_commit
-from rekv_core.bench.memory import growth, memory_map, proc_status
 from rekv_core.model import Model, greedy_generate, load_weights
 from rekv_core.model.tokenizer import load_tokenizer
 
@@ -205,16 +205,9 @@ def drive(pair: ServicePair, args: argparse.Namespace, pool: list[list[int]],
                                    for role in ROLES}}}
 
 
-def meta(args: argparse.Namespace) -> dict:
-    try:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        dirty = None  # not a git checkout (a copy of a commit's tree)
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "commit": git_commit(),
-            "modified_files": None if dirty is None else len(dirty.splitlines()),
+def meta(args: argparse.Namespace, code: dict) -> dict:
+    return {**code, "cpu": cpu_model(), "cores": os.cpu_count(),
             "command": " ".join(["python", *sys.argv]),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "torch": torch.__version__, "python": sys.version.split()[0], "model": MODEL,
             "dtype": "bfloat16", "service_args": service_args(args), "env": dict(args.env),
             "mix": {label: forced for label, forced in MIX},
@@ -223,6 +216,7 @@ def meta(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
+    code = provenance()
     started = time.monotonic()
     rng = random.Random(args.seed)
     pool = prompt_pool(load_tokenizer(MODEL), args.prompts, args.prompt_tokens, rng,
@@ -240,8 +234,8 @@ def run(args: argparse.Namespace) -> dict:
                                    args.check_every)
     result["burst"].update(summarize(burst, result["burst"]["wall_s"]) if burst else {})
     result["sustained"].update(summarize(sustained, result["sustained"]["wall_s"]))
-    result["meta"] = meta(args) | {"log_dir": str(pair.log_dir),
-                                   "wall_s": time.monotonic() - started}
+    result["meta"] = meta(args, code) | {"log_dir": str(pair.log_dir),
+                                         "wall_s": time.monotonic() - started}
     result["requests"] = [_record(o) for o in burst + sustained]
     return result
 

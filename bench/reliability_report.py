@@ -101,8 +101,8 @@ def _map_rows(mem: dict) -> list[str]:
 def markdown(result: dict) -> str:
     m, b, s, mem = result["meta"], result["burst"], result["sustained"], result["memory"]
     lines = [f"- Machine: {m['cpu']} ({m['cores']} cores); torch {m['torch']}; commit "
-             f"{m['commit']}" + (f" (+{m['modified_files']} modified files)"
-                                 if m["modified_files"] else ""),
+             f"{m['commit']}" + (" (with uncommitted changes)" if m["tree_clean"] is False
+                                 else ""),
              f"- Command: `{m['command']}`",
              f"- Services: `{' '.join(m['service_args'])}`" + (f", env {m['env']}" if m["env"]
                                                             else ""),

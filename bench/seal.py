@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from rekv_cli.bench.machine import machine_info
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
-from rekv_core.bench.machine import machine_info
 from rekv_core.codecs.checksum import checksums, default_algorithm
 from rekv_core.handoff.seal import decrypt, encrypt, new_key, open_message, seal, with_checksums
 from rekv_core.transport import Message
@@ -120,9 +121,10 @@ def measure(size: int, repeats: int, warmups: int) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    started = provenance()
     rows = [row for mib in args.sizes for row in measure(mib << 20, args.repeats, args.warmups)]
     return {
-        "machine": machine_info(CPU, torch.uint8, torch.get_num_threads()),
+        "machine": {**machine_info(CPU, torch.uint8, torch.get_num_threads()), **started},
         "command": " ".join(["python", *sys.argv]),
         "cryptography": version("cryptography"),
         "encrypt_into": hasattr(AESGCM, "encrypt_into"),
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
 def print_table(result: dict) -> None:
     m = result["machine"]
     print(f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch "
-          f"{m['torch']}, cryptography {result['cryptography']}, commit {m['git_commit']}")
+          f"{m['torch']}, cryptography {result['cryptography']}, commit {m['commit']}")
     print()
     print("| MiB | case | µs per message | GB/s | of copy |")
     print("|----:|:-----|---------------:|-----:|--------:|")

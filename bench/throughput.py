@@ -39,10 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from rekv_cli.bench.machine import cpu_model  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 from rekv_cli.client import generate  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
-from rekv_core.bench.machine import cpu_model, git_commit  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 
 L = get_preset(DEFAULT_MODEL).num_layers
@@ -85,6 +86,7 @@ def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=16)
@@ -119,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         codes = pair.stop()
     rows = summarize(rounds, modes(args.modes))
-    results = {"meta": {"machine": cpu_model(), "commit": git_commit(), "cores": os.cpu_count(),
+    results = {"meta": {**started, "machine": cpu_model(), "cores": os.cpu_count(),
                         "pinned": pinned, "model": DEFAULT_MODEL, "num_layers": L,
                         "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
                         **{k: v for k, v in vars(args).items() if k not in ("json", "markdown")}},

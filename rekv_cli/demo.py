@@ -16,7 +16,8 @@ each passkey prompt through `Decode.Generate` three ways, in a rotating order:
 and prints TTFT from Generate's arrival on the decode worker side by side, with each action, its
 bytes, the ratio to the streamed TTFT, whether lossless ways produced the baseline's tokens and
 whether the passkey came back. It stops both services with SIGTERM and exits 0 when both stopped
-cleanly and every request succeeded.
+cleanly and every request succeeded. `--json` also records the run's `provenance` (the commit and
+whether the tree was clean, read when the demo starts).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import argparse
 import os
 import sys
 
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import write_json
 
 DEMO_LENGTHS = (0, 12, 30)  # filler repeats: about 50, 340 and 770 prompt tokens
@@ -190,10 +192,11 @@ def _service_args(args: argparse.Namespace, model: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
 
+    from rekv_cli.bench.link.sweep import service_layout
     from rekv_cli.demo_link import DemoServices, link_rate, sigterm_as_interrupt
-    from rekv_cli.linkbench.sweep import service_layout
     from rekv_core.eval.needle import passkey_prompt
     from rekv_core.model.shapes import DEFAULT_MODEL, get_preset
     from rekv_core.settings import RuntimeSettings
@@ -229,7 +232,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     failed = sum("error" in answers[r["id"]] for r in warmups + timed)
     console.print(f"services stopped: prefill exit {codes['prefill']}, decode exit "
                   f"{codes['decode']}; {failed} failed requests")
-    write_json(args.json, {"meta": _meta(args, settings, rate, services, cores, service_args),
+    meta = {**_meta(args, settings, rate, services, cores, service_args), **started}
+    write_json(args.json, {"meta": meta,
                            "prompts": summaries, "requests": rows,
                            "warmups": [answers[r["id"]] for r in warmups],
                            "failed_requests": failed, "exit_codes": codes}, indent=1)
@@ -254,10 +258,10 @@ def _send(console, services, warmups: list[dict], timed: list[dict], log_dir) ->
 def _meta(args, settings, rate, services, cores, service_args) -> dict:
     from dataclasses import asdict
 
-    from rekv_core.bench.machine import cpu_model, git_commit
+    from rekv_cli.bench.machine import cpu_model
 
     return {"command": "rekv " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
-            "cores": os.cpu_count(), "git_commit": git_commit(), "model": settings.model,
+            "cores": os.cpu_count(), "model": settings.model,
             "device": settings.device, "dtype": settings.dtype, "filler": args.filler,
             "max_new_tokens": args.max_new_tokens, "passkey": PASSKEY,
             "link": {"kind": services.kind, "gbps": rate.gbps, "chosen": rate.chosen,

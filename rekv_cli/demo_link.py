@@ -21,8 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rekv_cli.linkbench.netns import EmulatedLink, unavailable
-from rekv_cli.linkbench.sweep import balanced_gbps, start_services
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable
+from rekv_cli.bench.link.sweep import balanced_gbps, start_services
 
 
 @dataclass

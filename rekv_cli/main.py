@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 
-from rekv_cli.bench import add_bench_parser
+from rekv_cli.bench.cli import add_bench_parser
 from rekv_cli.demo import add_demo_parser
 from rekv_cli.health import add_health_parser
 from rekv_cli.plan import add_plan_parsers

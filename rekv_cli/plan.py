@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
 from rekv_core.model.shapes import DEFAULT_MODEL
 
@@ -114,6 +115,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
@@ -158,7 +160,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
                        for cut in cuts], config,
                       progress=console.log, codec_for=lambda name: deployed_codec(name, deployed))
     policy.max_cut.update({codec: 0 for codec in ruled_out})
-    found = {"text": Path(args.text).name, "command": "rekv " + " ".join(sys.argv[1:])}
+    found = {"text": Path(args.text).name, "command": "rekv " + " ".join(sys.argv[1:]),
+             **started}
     if "splitzip" in args.codecs:
         found["splitzip"] = calibrate_splitzip(model, tokenizer.encode(text), args.prompt_len,
                                                SPLITZIP_CALIBRATION)

@@ -20,7 +20,7 @@ LAYERS = (
     ("rekv_core.handoff",),
     ("rekv_core.plan",),
     ("rekv_core.connector",),
-    ("rekv_core.bench", "rekv_core.settings"),
+    ("rekv_core.settings",),
     ("services.rpc",),
     ("services",),  # what both services share: serving, settings, metrics, calls, wire_convert
     ("services.prefill", "services.decode"),
@@ -105,6 +105,75 @@ def test_the_layer_check_catches_a_wrong_import(tmp_path):
     assert _package("rekv_cli.main")[0] > _package("rekv_core.plan.planner")[0]
     assert _within("grpc", CORE_NEVER) and _package("services.decode.server") == (
         10, "services.decode")
+
+
+def _from_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name) of every `from module import name` in this file, at any depth."""
+    return [(node.module, alias.name) for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level
+            for alias in node.names]
+
+
+def _private_imports(files: dict[str, Path], project: set[str]) -> list[str]:
+    """`from x import _y` in `files` (module name -> file) where x is a module of `project` and
+    _y is neither a module nor a dunder: a private name taken from another module."""
+    return [f"{module}: from {source} import {name}" for module, path in files.items()
+            for source, name in _from_imports(path)
+            if source in project and name.startswith("_") and not name.endswith("__")
+            and f"{source}.{name}" not in project]
+
+
+def _project_imports(path: Path, project: set[str]) -> set[str]:
+    """The modules of `project` this file imports, at any depth; `from pkg import mod` imports
+    the module pkg.mod (not pkg), `from pkg import name` the package pkg."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name in project}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                if f"{node.module}.{alias.name}" in project:
+                    found.add(f"{node.module}.{alias.name}")
+                elif node.module in project:
+                    found.add(node.module)
+    return found
+
+
+def _mutual_imports(files: dict[str, Path]) -> list[str]:
+    """Pairs of modules of `files` (module name -> file) that import each other, lazily or not."""
+    imports = {module: _project_imports(path, set(files)) for module, path in files.items()}
+    return sorted(f"{a} <-> {b}" for a, targets in imports.items() for b in targets
+                  if a < b and a in imports[b])
+
+
+def _files(*tops: str) -> dict[str, Path]:
+    return {_module(p): p for p in _sources(*tops)}
+
+
+def test_no_module_imports_a_private_name_of_another():
+    wrong = _private_imports(_files(*PACKAGES, "bench"), set(_files(*PACKAGES)))
+    assert not wrong, "private names taken from another module:\n" + "\n".join(wrong)
+
+
+def test_no_two_modules_import_each_other():
+    wrong = _mutual_imports(_files(*PACKAGES))
+    assert not wrong, "modules that import each other:\n" + "\n".join(wrong)
+
+
+def test_the_private_and_mutual_checks_catch_a_circle(tmp_path):
+    """A lazy import back and a private name taken from another module are caught; taking a
+    sibling module through its package (`from pkg import c`) is no import of the package."""
+    names = ("pkg", "pkg.a", "pkg.b", "pkg.c")
+    files = {name: tmp_path / f"{name}.py" for name in names}
+    files["pkg"].write_text("from pkg.a import f\n")
+    files["pkg.a"].write_text("from pkg.b import _g\nfrom pkg import c\n\n\ndef f():\n"
+                              "    return _g()\n")
+    files["pkg.b"].write_text("def _g():\n    from pkg.a import f\n    return f\n")
+    files["pkg.c"].write_text("import pkg.b\nfrom pkg import __name__ as name\n")
+    assert _private_imports(files, set(names)) == ["pkg.a: from pkg.b import _g"]
+    assert _project_imports(files["pkg.a"], set(names)) == {"pkg.b", "pkg.c"}
+    assert _project_imports(files["pkg.c"], set(names)) == {"pkg", "pkg.b"}
+    assert _mutual_imports(files) == ["pkg.a <-> pkg.b"]
 
 
 @pytest.mark.parametrize("top", ["rekv_core", "services", "rekv_cli", "bench", "tests"])

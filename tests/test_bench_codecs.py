@@ -68,7 +68,8 @@ def test_the_json_keeps_its_fields_and_covers_every_codec(bench, tmp_path):
     result = json.loads(out.read_text())
     assert {"machine", "command", "repeats", "warmups", "copy_gbps", "rows", "ceilings",
             "real"} <= set(result)
-    assert {"cpu", "cores", "device", "torch", "python", "git_commit"} <= set(result["machine"])
+    assert {"cpu", "cores", "device", "torch", "python", "commit", "tree_clean",
+            "started"} <= set(result["machine"])
     assert result["real"] is None and result["copy_gbps"] > 0
     assert [c["op"] for c in result["ceilings"]] == ["copy_", "clone"]
     ops = {(r["codec"], r["op"]) for r in result["rows"]}

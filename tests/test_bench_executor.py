@@ -75,6 +75,7 @@ def test_dry_run_on_the_cpu_writes_positive_finite_figures(bench, tmp_path):
     assert meta["model"] == "synthetic:smollm2-135m" and meta["dtype"] == "float32"
     assert meta["contexts"] == [128, 512] and meta["steps"] == 8 and meta["repeats"] == 3
     assert meta["commit"] and "--dry-run" in meta["command"] and meta["machine"]["cpu"]
+    assert meta["tree_clean"] in (True, False) and meta["started"]
     assert report["ceilings"]["matmul"]["n"] == 512
     assert report["prefill"]["flops"] == bench.prefill_flops(get_preset("smollm2-135m"), 256)
     rows = report["decode"]

@@ -7,11 +7,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from rekv_core.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
-from rekv_core.bench.stats import median_ci, paired_ratio
+from rekv_cli.bench import handoff, provenance
+from rekv_cli.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
+from rekv_cli.bench.stats import median_ci, paired_ratio
+from rekv_cli.main import main
 from rekv_core.handoff import ReceiveMode
 from rekv_core.handoff.action import ActionKind
+from tests.git_checkout import git, make_checkout
 
 ROW_KEYS = {"action", "codec", "cut", "prompt_len", "link_gbps", "bytes", "median_ms", "ci95_ms",
             "speedup_vs_bf16"}
@@ -113,6 +117,33 @@ def test_small_run_writes_rows_for_every_action(tmp_path):
                                                                   ("2", "int8", 15)}
     assert report["points"][0]["balanced_gbps"] > 0
     assert report["meta"]["model"] == "smollm2-135m" and report["meta"]["runs"] == 3
+
+
+def test_the_json_names_the_commit_read_before_the_run(tmp_path, monkeypatch):
+    """A commit made while the bench runs is not credited with its figures: the meta carries the
+    commit and the clean tree read before the first timed run, and when the run started."""
+    checkout = make_checkout(tmp_path / "checkout")
+    first = git(checkout, "rev-parse", "HEAD")
+    monkeypatch.setattr(provenance, "REPO", checkout)
+    run_once = handoff.run_once
+
+    def commit_meanwhile(*args, **kwargs):
+        if git(checkout, "rev-parse", "HEAD") == first:
+            (checkout / "code.py").write_text("FIGURE = 2\n")
+            git(checkout, "commit", "-q", "-am", "made during the run")
+            (checkout / "code.py").write_text("FIGURE = 3\n")  # and left uncommitted
+        return run_once(*args, **kwargs)
+
+    monkeypatch.setattr(handoff, "run_once", commit_meanwhile)
+    out = tmp_path / "handoff.json"
+    assert main(["bench", "handoff", "--prompt-len", "24", "--link-gbps", "2", "--cuts", "15",
+                 "--quant-codecs", "int8", "--joint-codecs", "int8", "--sequential-codecs",
+                 "int8", "--warmups", "0", "--runs", "1", "--threads",
+                 str(torch.get_num_threads()), "--json", str(out)]) == 0
+    meta = json.loads(out.read_text())["meta"]
+    assert git(checkout, "rev-parse", "HEAD") != first  # the run did see a new commit
+    assert meta["commit"] == first and meta["tree_clean"] is True
+    assert meta["started"] and meta["model"] == "smollm2-135m"
 
 
 def test_bad_arguments_are_named():

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rekv_cli.linkbench.netns import EmulatedLink, unavailable
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable
 from rekv_core.handoff import Action, wire_bytes
 from rekv_core.model import get_preset
 from rekv_core.plan.planner import Planner
@@ -80,6 +80,7 @@ def _check(report, png):
         a / b for a, b in zip(rows[0]["samples_ms"], chunked["samples_ms"])))
     assert isinstance(point["planner_within_10pct"], bool)  # its verdict: see the table below
     assert report["meta"]["service_exit_codes"] == {"decode": 0, "prefill": 0}
+    assert {"commit", "tree_clean", "started"} <= set(report["meta"])
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -130,7 +131,7 @@ def test_sigterm_stops_the_services_and_removes_the_namespaces(tmp_path):
 
 
 def test_newer_codecs_are_timed_streamed_and_splitzip_also_codes_the_boundary():
-    from rekv_cli.linkbench.sweep import forced_actions
+    from rekv_cli.bench.link.sweep import forced_actions
 
     plain = forced_actions(30, [9, 15])
     cases = forced_actions(30, [9, 15], chunk_tokens=256, codecs=["int4h", "splitzip"])
@@ -170,8 +171,8 @@ def test_the_planner_is_judged_against_the_best_forced_case(planner_ms, within, 
 
 
 def test_a_point_says_how_each_newer_codec_moved_its_best_case():
-    from rekv_cli.linkbench.report import point_summary
-    from rekv_core.bench.handoff import LinkRate
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.link.report import point_summary
 
     plain = point_summary(512, LinkRate.parse("x1"), 0.05, [
         *ROWS, _case("planner", "joint", "int8", 15, 61.0, planner=True)], balanced=0.05)

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from rekv_core.bench.handoff import LinkRate
-from rekv_core.bench.ttft import SCHEDULES, TtftConfig, cases_for
+from rekv_cli.bench.handoff import LinkRate
+from rekv_cli.bench.ttft import SCHEDULES, TtftConfig, cases_for
 from rekv_core.handoff import Action
 
 
@@ -77,7 +77,7 @@ def _row(label, codec, cut, ms, boundary="bf16", schedule="chunked"):
 
 
 def test_codec_gains_compare_the_best_with_and_without_each_option():
-    from rekv_core.bench.ttft import codec_gains
+    from rekv_cli.bench.ttft import codec_gains
 
     rows = [_row("baseline", "bf16", 30, 50.0, schedule="baseline"),
             _row("colocated", None, None, 10.0, boundary=None, schedule="colocated"),

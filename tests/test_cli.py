@@ -44,6 +44,7 @@ def test_demo_runs_both_services_and_stops_them(tmp_path):
     report = json.loads(out.read_text())
     assert report["exit_codes"] == {"prefill": 0, "decode": 0}
     assert report["failed_requests"] == 0
+    assert {"commit", "tree_clean", "started"} <= set(report["meta"])
     link = report["meta"]["link"]
     assert link["kind"] in ("netns", "paced") and f"link: {link['kind']}:" in result.stdout
     assert link["chosen"] == "balanced" and link["gbps"] > 0 and link["compute_ms"] > 0
@@ -91,4 +92,5 @@ def test_gate_on_synthetic_weights_needs_and_takes_a_tokenizer(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     policy = json.loads(out.read_text())
     assert policy["model"] == "mini-qwen2.5-7b"
+    assert {"commit", "tree_clean", "started"} <= set(policy["meta"])
     assert {(v["codec"], v["cut"]) for v in policy["verdicts"]} == {("int8", 14), ("int8", 28)}

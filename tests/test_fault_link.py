@@ -36,9 +36,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rekv_cli.bench.link import netns
+from rekv_cli.bench.link.sweep import TCP_ONLY
 from rekv_cli.launcher import ServicePair
-from rekv_cli.linkbench import netns
-from rekv_cli.linkbench.sweep import TCP_ONLY
 from rekv_core.handoff.transfer import allowed_s
 from rekv_core.model import Model, greedy_generate, load_weights
 

@@ -142,14 +142,14 @@ def test_partial_prefill_computes_only_the_layers_below_the_cut(smollm_fp32, mon
     model = smollm_fp32
     L = model.shape.num_layers
     computed = []
-    layer = executor._layer
+    layer = executor.layer_forward
 
     def counting(model_, index, *args, **kwargs):
         if threading.current_thread().name == "rekv-test-sender":
             computed.append(index)
         return layer(model_, index, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "_layer", counting)
+    monkeypatch.setattr(executor, "layer_forward", counting)
     for cut in (0, 7, L):
         computed.clear()
         released = []

@@ -176,7 +176,7 @@ def test_pool_shutdown_logs_a_gone_peer_and_shuts_the_others(caplog):
     pool = _Pool()
     gone, alive = pool.to("gone:1"), pool.to("alive:2")
     assert pool.pending().in_flight_messages == 4
-    with caplog.at_level(logging.WARNING, logger="rekv_core.transport.base"):
+    with caplog.at_level(logging.WARNING, logger="rekv_core.transport.pool"):
         pool.shutdown()
     assert gone.shut and alive.shut
     assert [r.levelno for r in caplog.records] == [logging.WARNING]

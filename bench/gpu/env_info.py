@@ -1,4 +1,5 @@
-"""Where a GPU run ran: date, commit, device, driver, and the versions of torch, Triton and UCX.
+"""Where a GPU run ran: its provenance (commit, clean tree, start), device, driver, and the
+versions of torch, Triton and UCX.
 
     python bench/gpu/env_info.py [--json FILE]
 """
@@ -16,7 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from rekv_core.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.machine import machine_info  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 
 PACKAGES = ("triton", "ucxx-cu13", "ucxx-cu12", "libucx-cu13", "libucx-cu12", "grpcio",
             "protobuf", "transformers")
@@ -42,11 +44,12 @@ def versions() -> dict[str, str]:
 
 
 def main() -> int:
+    started = provenance()
     parser = argparse.ArgumentParser(description="record where a GPU run ran")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    info = machine_info(device, torch.bfloat16, torch.get_num_threads())
+    info = {**started, **machine_info(device, torch.bfloat16, torch.get_num_threads())}
     info |= {"cuda": torch.version.cuda, "driver": driver(), "packages": versions()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

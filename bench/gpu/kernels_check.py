@@ -30,6 +30,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 from rekv_core.codecs import (EncodeContext, HadamardInt4Codec, SpectrumCodec,  # noqa: E402
                               SplitZipCodec)
 from rekv_core.kernels.checksum_reference import wsum64_reference  # noqa: E402
@@ -115,6 +116,7 @@ def check_codecs(x: torch.Tensor, kv_shape: tuple[int, int, int], generator: tor
 
 
 def main(argv: list[str] | None = None) -> int:
+    code = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true", help="small shapes (CPU interpreter)")
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
           f"in {time.perf_counter() - started:.1f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"device": str(device), "dry_run": args.dry_run, "cases": cases,
+            {"meta": code, "device": str(device), "dry_run": args.dry_run, "cases": cases,
              "failed": len(failed)}, indent=1))
     return 1 if failed else 0
 

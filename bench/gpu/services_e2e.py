@@ -21,12 +21,10 @@ only if every judged case matched.
 from __future__ import annotations
 
 import argparse
-import datetime
 import inspect
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run as a script from any folder, rekv installed or not
 
 import torch  # noqa: E402
+
+from rekv_cli.bench.provenance import provenance  # noqa: E402
 
 UCX_TLS_NAMES = ("cuda_ipc", "cuda_copy", "gdr_copy", "rocm_ipc", "rocm_copy", "tcp", "rc_mlx5",
                  "rc_verbs", "dc_mlx5", "ud_mlx5", "ud_verbs", "rc", "dc", "ud", "posix", "sysv",
@@ -301,19 +301,7 @@ def ucx_report(out: Path) -> dict:
             "UCX_TLS": os.environ.get("UCX_TLS")}
 
 
-def git_commit() -> tuple[str, bool | None]:
-    """HEAD and whether the working tree differs from it; else REKV_COMMIT, else "unknown"."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-
-    try:
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return os.environ.get("REKV_COMMIT", "unknown"), None
-
-
-def meta(args: argparse.Namespace) -> dict:
+def meta(args: argparse.Namespace, started: dict) -> dict:
     from importlib.metadata import PackageNotFoundError, version
 
     def package(name: str) -> str | None:
@@ -325,12 +313,9 @@ def meta(args: argparse.Namespace) -> dict:
     device = (torch.cuda.get_device_name(torch.device(args.device))
               if args.device.startswith("cuda") else "cpu")
     ucxx = next((v for v in map(package, ("ucxx-cu13", "ucxx-cu12", "ucxx")) if v), None)
-    commit, dirty = git_commit()
-    return {"device": args.device, "device_name": device, "dtype": args.dtype,
+    return {**started, "device": args.device, "device_name": device, "dtype": args.dtype,
             "torch": torch.__version__, "cuda": torch.version.cuda, "ucxx": ucxx,
             "transformers": package("transformers"), "python": sys.version.split()[0],
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": commit, "commit_dirty": dirty,
             "torch_threads": args.torch_threads, "dry_run": args.dry_run}
 
 
@@ -369,10 +354,11 @@ def collect(args: argparse.Namespace, out: Path, report: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = provenance()
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"meta": meta(args), "settings": dict(vars(args))}
+    report = {"meta": meta(args, started), "settings": dict(vars(args))}
     report["cases"] = cases = collect(args, out, report)
     report["ucx"] = ucx_report(out)
     report["ucx_transports_seen"] = report["ucx"]["ucx_transports_seen"]

@@ -147,7 +147,8 @@ def markdown(summary: dict) -> str:
     env = summary.get("env") or {}
     dry = " (dry run on the CPU: no figure here is a GPU figure)" if summary["dry_run"] else ""
     lines = [f"# GPU run{dry}", "",
-             f"date {env.get('date')}, commit {env.get('git_commit')}, device "
+             f"started {env.get('started')}, commit {env.get('commit')} (clean tree: "
+             f"{env.get('tree_clean')}), device "
              f"{env.get('gpu', env.get('device'))}, torch {env.get('torch')}, Triton "
              f"{(env.get('packages') or {}).get('triton')}, CUDA {env.get('cuda')}, driver "
              f"{env.get('driver')}", "",

@@ -13,31 +13,11 @@ import triton
 import triton.language as tl
 
 from rekv_core.kernels.groupwise_reference import FP16_MAX, GROUP_SIZE, check_bits, code_bytes
+from rekv_core.kernels.rounding_triton import scale_and_codes, to_output
 
 # 16 groups (1024 elements) per program: a power of two that keeps one program's registers small
 # while giving each program enough bytes to stream. Not tuned on hardware yet.
 GROUPS_PER_PROGRAM = 16
-
-
-@triton.jit
-def _scale_and_codes(x, absmax, QMAX: tl.constexpr, FMAX: tl.constexpr):
-    scale = tl.minimum(tl.math.div_rn(absmax, QMAX), FMAX).to(tl.float16)
-    s = scale.to(tl.float32)
-    y = tl.math.div_rn(x, tl.where(s == 0.0, 1.0, s)[:, None])
-    q = tl.minimum(tl.floor(tl.abs(y) + 0.5), QMAX)
-    return scale, tl.where(y < 0, -q, q)
-
-
-@triton.jit
-def _to_output(x, dtype: tl.constexpr):
-    """float32 -> output dtype, rounding to nearest-even. BF16 is rounded in integer arithmetic:
-    Triton's interpreter truncates on that cast, while GPUs and torch round to nearest-even."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(dtype)
 
 
 @triton.jit
@@ -47,7 +27,7 @@ def _quantize_int8_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, GROUP: tl.cons
     row_ok = rows < n_groups
     offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     x = tl.load(x_ptr + offs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    scale, q = _scale_and_codes(x, tl.max(tl.abs(x), axis=1), QMAX, FMAX)
+    scale, q = scale_and_codes(x, tl.max(tl.abs(x), axis=1), QMAX, FMAX)
     tl.store(codes_ptr + offs, q.to(tl.int8), mask=row_ok[:, None])
     tl.store(scales_ptr + rows, scale, mask=row_ok)
 
@@ -62,8 +42,8 @@ def _quantize_int4_kernel(x_ptr, codes_ptr, scales_ptr, n_groups, GROUP: tl.cons
     x_even = tl.load(x_ptr + even, mask=row_ok[:, None], other=0.0).to(tl.float32)
     x_odd = tl.load(x_ptr + even + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
     absmax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
-    scale, q_even = _scale_and_codes(x_even, absmax, QMAX, FMAX)
-    _, q_odd = _scale_and_codes(x_odd, absmax, QMAX, FMAX)
+    scale, q_even = scale_and_codes(x_even, absmax, QMAX, FMAX)
+    _, q_odd = scale_and_codes(x_odd, absmax, QMAX, FMAX)
     packed = (q_even.to(tl.int32) + 8) | ((q_odd.to(tl.int32) + 8) << 4)
     tl.store(codes_ptr + rows[:, None] * (GROUP // 2) + pairs[None, :], packed.to(tl.uint8),
              mask=row_ok[:, None])
@@ -78,7 +58,7 @@ def _dequantize_int8_kernel(codes_ptr, scales_ptr, out_ptr, n_groups, GROUP: tl.
     offs = rows[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     q = tl.load(codes_ptr + offs, mask=row_ok[:, None], other=0).to(tl.float32)
     s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, _to_output(q * s[:, None], out_ptr.dtype.element_ty),
+    tl.store(out_ptr + offs, to_output(q * s[:, None], out_ptr.dtype.element_ty),
              mask=row_ok[:, None])
 
 
@@ -95,8 +75,8 @@ def _dequantize_int4_kernel(codes_ptr, scales_ptr, out_ptr, n_groups, GROUP: tl.
     high = ((packed >> 4) - 8).to(tl.float32) * s
     even = rows[:, None] * GROUP + 2 * pairs[None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, _to_output(low, dtype), mask=row_ok[:, None])
-    tl.store(out_ptr + even + 1, _to_output(high, dtype), mask=row_ok[:, None])
+    tl.store(out_ptr + even, to_output(low, dtype), mask=row_ok[:, None])
+    tl.store(out_ptr + even + 1, to_output(high, dtype), mask=row_ok[:, None])
 
 
 def _check_input(x: torch.Tensor) -> int:

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rekv_core.kernels.groupwise_triton import _to_output
+from rekv_core.kernels.rounding_triton import to_output
 from rekv_core.kernels.hadamard_reference import (
     FP16_MAX,
     QMAX,
@@ -98,7 +98,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, out_ptr, n_rows, D: tl.constexpr, 
     m = tl.load(scales_ptr + 2 * rows + 1, mask=row_ok, other=0.0).to(tl.float32)
     x = _fwht(q * s[:, None] + m[:, None], ROWS, DP, BLOCK, STAGES) * INVERSE
     cols = tl.arange(0, DP)
-    tl.store(out_ptr + rows[:, None] * D + cols[None, :], _to_output(x, out_ptr.dtype.element_ty),
+    tl.store(out_ptr + rows[:, None] * D + cols[None, :], to_output(x, out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & (cols < D)[None, :])
 
 

@@ -3,7 +3,7 @@
 Bit for bit the contract of `spectrum_reference.py`: the quantize kernels gather the rows (head,
 token) of one tier's tokens straight from K or V `[n_kv, S, d]` and write their codes and scales;
 the dequantize kernels scatter the restored rows back to the tokens' positions in the output. The
-per-row arithmetic is `groupwise_triton`'s (`_scale_and_codes`, `_to_output`), so both codecs round
+per-row arithmetic is `rounding_triton`'s (`scale_and_codes`, `to_output`), so both codecs round
 the same way. Run on the CPU under `TRITON_INTERPRET=1` for tests.
 """
 
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from rekv_core.kernels.groupwise_reference import FP16_MAX, check_bits, code_bytes
-from rekv_core.kernels.groupwise_triton import _scale_and_codes, _to_output
+from rekv_core.kernels.rounding_triton import scale_and_codes, to_output
 
 # 16 rows per program, as the group-wise kernels (a row of d_h = 128 is two of their groups).
 # Not tuned on hardware yet.
@@ -38,7 +38,7 @@ def _quantize_int8_kernel(x_ptr, index_ptr, codes_ptr, scales_ptr, n_rows, n_tok
     cols = tl.arange(0, BLOCK_D)
     ok = row_ok[:, None] & (cols < D)[None, :]
     x = tl.load(x_ptr + src[:, None] + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    scale, q = _scale_and_codes(x, tl.max(tl.abs(x), axis=1), QMAX, FMAX)
+    scale, q = scale_and_codes(x, tl.max(tl.abs(x), axis=1), QMAX, FMAX)
     tl.store(codes_ptr + rows[:, None] * D + cols[None, :], q.to(tl.int8), mask=ok)
     tl.store(scales_ptr + rows, scale, mask=row_ok)
 
@@ -54,8 +54,8 @@ def _quantize_int4_kernel(x_ptr, index_ptr, codes_ptr, scales_ptr, n_rows, n_tok
     x_even = tl.load(x_ptr + even, mask=ok, other=0.0).to(tl.float32)
     x_odd = tl.load(x_ptr + even + 1, mask=ok, other=0.0).to(tl.float32)
     absmax = tl.maximum(tl.max(tl.abs(x_even), axis=1), tl.max(tl.abs(x_odd), axis=1))
-    scale, q_even = _scale_and_codes(x_even, absmax, QMAX, FMAX)
-    _, q_odd = _scale_and_codes(x_odd, absmax, QMAX, FMAX)
+    scale, q_even = scale_and_codes(x_even, absmax, QMAX, FMAX)
+    _, q_odd = scale_and_codes(x_odd, absmax, QMAX, FMAX)
     packed = (q_even.to(tl.int32) + 8) | ((q_odd.to(tl.int32) + 8) << 4)
     tl.store(codes_ptr + rows[:, None] * (D // 2) + pairs[None, :], packed.to(tl.uint8), mask=ok)
     tl.store(scales_ptr + rows, scale, mask=row_ok)
@@ -70,7 +70,7 @@ def _dequantize_int8_kernel(codes_ptr, scales_ptr, index_ptr, out_ptr, n_rows, n
     q = tl.load(codes_ptr + rows[:, None] * D + cols[None, :], mask=ok, other=0).to(tl.float32)
     s = tl.load(scales_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + dst[:, None] + cols[None, :],
-             _to_output(q * s[:, None], out_ptr.dtype.element_ty), mask=ok)
+             to_output(q * s[:, None], out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -86,8 +86,8 @@ def _dequantize_int4_kernel(codes_ptr, scales_ptr, index_ptr, out_ptr, n_rows, n
     high = ((packed >> 4) - 8).to(tl.float32) * s
     even = dst[:, None] + 2 * pairs[None, :]
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptr + even, _to_output(low, dtype), mask=ok)
-    tl.store(out_ptr + even + 1, _to_output(high, dtype), mask=ok)
+    tl.store(out_ptr + even, to_output(low, dtype), mask=ok)
+    tl.store(out_ptr + even + 1, to_output(high, dtype), mask=ok)
 
 
 def _check(x: torch.Tensor, index: torch.Tensor, bits: int, name: str) -> None:

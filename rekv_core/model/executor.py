@@ -23,64 +23,23 @@ suffix run in chunks whose starts are multiples of the block issues exactly the 
 unchunked run issues, and its K, V and logits are bit-identical to it (`chunk_bounds` gives such
 chunks). It costs a few percent of a long prompt's prefill on the CPU. Shapes: h
 `[S, d]`; K, V per layer `[n_kv, S, d_h]`; logits `[vocab]` in float32.
+
+The layer body itself, the `Model` and `final_logits` live in `layer`, which the static decode
+step (`static_decode`) shares; `Model` and `final_logits` are importable from here as well.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from rekv_core.model.blocks import EXEC_BLOCK, attend, attend_causal, linear
+from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.cache import KVCache
-from rekv_core.model.shapes import ModelShape
-from rekv_core.model.weights import LayerWeights, ModelWeights
-
-
-def rope_inv_freq(shape: ModelShape) -> torch.Tensor:
-    """Inverse RoPE frequencies `[d_h/2]` in float32, with Llama-3 scaling when configured."""
-    dim = shape.head_dim
-    inv_freq = 1.0 / (shape.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = shape.rope_scaling
-    if scaling is None:
-        return inv_freq
-    low_wavelen = scaling.original_max_positions / scaling.low_freq_factor
-    high_wavelen = scaling.original_max_positions / scaling.high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = ((scaling.original_max_positions / wavelen - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-class Model:
-    """Weights plus the derived tables the executor needs (RoPE frequencies). Each layer's Q, K, V
-    and its gate, up projections are fused into one GEMM each (`LayerWeights.fuse`)."""
-
-    def __init__(self, weights: ModelWeights):
-        weights.fuse_projections()
-        self.weights = weights
-        self.shape = weights.shape
-        self.inv_freq = rope_inv_freq(self.shape).to(weights.device)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.weights.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.weights.device
-
-    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin `[S, d_h]` in the working dtype for integer `positions` `[S]`."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+from rekv_core.model.layer import Model, final_logits, layer_forward
+from rekv_core.model.static_decode import StaticDecoder
 
 
 def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -93,80 +52,6 @@ def validate_token_ids(token_ids: Sequence[int] | torch.Tensor, vocab_size: int)
         raise ValueError(f"token_ids: id {int(ids[i])} at position {i} is outside the "
                          f"vocabulary [0, {vocab_size})")
     return ids
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    x32 = x.to(torch.float32)
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [H, S, d_h]; cos, sin: [S, d_h]
-    return x * cos + _rotate_half(x) * sin
-
-
-def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    shape = model.shape
-    s = x.shape[0]
-    q, k, v = linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
-                                                   dim=-1)
-    q = q.view(s, shape.num_heads, shape.head_dim)
-    k = k.view(s, shape.num_kv_heads, shape.head_dim)
-    v = v.view(s, shape.num_kv_heads, shape.head_dim)
-    if shape.qk_norm:
-        q = rms_norm(q, lw.q_norm, shape.rms_eps)
-        k = rms_norm(k, lw.k_norm, shape.rms_eps)
-    q = apply_rope(q.transpose(0, 1), cos, sin)  # [n_h, S, d_h]
-    k = apply_rope(k.transpose(0, 1), cos, sin).contiguous()  # [n_kv, S, d_h]
-    v = v.transpose(0, 1).contiguous()  # [n_kv, S, d_h]
-    return q, k, v
-
-
-def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, lw.w_down)
-
-
-KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-
-
-QKObserver = Callable[[torch.Tensor, torch.Tensor], None]
-
-
-def _layer(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           store: KVStore | None = None, mask: torch.Tensor | None = None,
-           causal_from: int | None = None, observe: QKObserver | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The one transformer layer body: attention, then MLP, each around a residual.
-
-    Without a `store` the n positions of h `[n, d]` attend to each other causally (prefill, suffix
-    recompute). With one, `store(index, K, V)` keeps the new K and V in a cache and returns the
-    keys and values to attend to: causally (`_attend_causal`) when `causal_from` gives the first
-    position of h, else through `mask` `[n, keys]` (True: attend), or to all of them when it is
-    None. `observe(q, k)`, if given, sees the layer's queries and keys after RoPE. Returns h_out,
-    K, V `[n_kv, n, d_h]`."""
-    lw = model.weights.layers[index]
-    eps = model.shape.rms_eps
-    q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
-    if observe is not None:
-        observe(q, k)
-    if store is None:
-        out = attend_causal(q, k, v)
-    else:
-        k_all, v_all = store(index, k, v)
-        out = (attend_causal(q, k_all, v_all, causal_from) if causal_from is not None
-               else attend(q, k_all, v_all, mask=mask))
-    h = h + linear(out, lw.wo)
-    h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
-    return h, k, v
 
 
 @dataclass
@@ -198,7 +83,7 @@ def iter_layers(model: Model, h: torch.Tensor, start: int = 0, stop: int | None 
         scores.append(observation_window_importance(q, k, importance_window))
 
     for index in range(start, stop):
-        h_out, k, v = _layer(model, index, h, cos, sin,
+        h_out, k, v = layer_forward(model, index, h, cos, sin,
                              observe=observe if importance_window > 0 else None)
         yield LayerStep(index=index, hidden_in=h, keys=k, values=v, hidden_out=h_out,
                         importance=scores.pop() if scores else None)
@@ -208,12 +93,6 @@ def iter_layers(model: Model, h: torch.Tensor, start: int = 0, stop: int | None 
 def embed(model: Model, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     ids = validate_token_ids(token_ids, model.shape.vocab_size).to(model.device)
     return F.embedding(ids, model.weights.embed)  # [S, d]
-
-
-def final_logits(model: Model, h_last: torch.Tensor) -> torch.Tensor:
-    """Logits (float32) from final residual states: `[d]` -> `[vocab]`, `[n, d]` -> `[n, vocab]`."""
-    w = model.weights
-    return F.linear(rms_norm(h_last, w.final_norm, model.shape.rms_eps), w.lm_head).float()
 
 
 @dataclass
@@ -298,7 +177,7 @@ def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache:
     if not 0 <= start <= stop <= model.shape.num_layers:
         raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
     for step in range(start, stop):
-        h, _, _ = _layer(model, step, h, cos, sin, store, causal_from=pos)
+        h, _, _ = layer_forward(model, step, h, cos, sin, store, causal_from=pos)
     return h
 
 
@@ -322,7 +201,7 @@ def _append(model: Model, token_ids: Sequence[int] | torch.Tensor, cache: KVCach
         return cache.layer(index, pos + n)
 
     for index in range(model.shape.num_layers):
-        h, _, _ = _layer(model, index, h, cos, sin, store, mask)
+        h, _, _ = layer_forward(model, index, h, cos, sin, store, mask)
     cache.length = pos + n
     return h
 
@@ -372,7 +251,5 @@ def decode_steps(model: Model, cache: KVCache) -> Callable[[int], torch.Tensor]:
     cache has room for at least `GRAPH_MIN_STEPS` more tokens (`static_decode.StaticDecoder`),
     `decode_step` otherwise."""
     if model.device.type == "cuda" and cache.capacity - cache.length >= GRAPH_MIN_STEPS:
-        from rekv_core.model.static_decode import StaticDecoder  # it builds on this module
-
         return StaticDecoder(model, cache).step
     return lambda token: decode_step(model, token, cache)

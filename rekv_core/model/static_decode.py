@@ -23,7 +23,7 @@ import threading
 import torch
 
 from rekv_core.model.cache import KVCache
-from rekv_core.model.executor import Model, _layer, final_logits
+from rekv_core.model.layer import Model, final_logits, layer_forward
 
 GRAPH_WARMUPS = 2  # eager runs on a side stream before capture, as CUDA graphs require
 # One capture at a time per process (PyTorch's rule); each device captures on a stream of its own.
@@ -58,7 +58,7 @@ class StaticDecoder:
         cos, sin = model.rope(self._position)
         mask = (self._all_positions <= self._position)[None, :]  # [1, capacity]
         for index in range(model.shape.num_layers):
-            h, _, _ = _layer(model, index, h, cos, sin, self._store, mask)
+            h, _, _ = layer_forward(model, index, h, cos, sin, self._store, mask)
         return final_logits(model, h[-1])
 
     def _capture(self) -> None:

@@ -3,8 +3,8 @@
 `write_weights(weights, path)` stores every tensor `ModelWeights` holds under its canonical name
 (`embed`, `final_norm`, `lm_head` unless tied, `layers.{i}.{key}`) in its own dtype, with the
 `ModelShape` as JSON in the file's metadata. `read_weights(path, dtype, device)` builds the
-weights back through the loaders' own `_assemble`, so every tensor's shape is checked as a fresh
-conversion's is; the tensors are bit-identical to the ones written.
+weights back through the loaders' own `weights_layout.assemble`, so every tensor's shape is checked
+as a fresh conversion's is; the tensors are bit-identical to the ones written.
 """
 
 from __future__ import annotations
@@ -16,19 +16,23 @@ from pathlib import Path
 import torch
 
 from rekv_core.model.shapes import Llama3RopeScaling, ModelShape
-from rekv_core.model.weights import (_GGUF_NAMES, ModelWeights, _assemble,
-                                     expected_layer_shapes)
+from rekv_core.model.weights_layout import ModelWeights, assemble, expected_layer_shapes
 
-# the canonical keys the GGUF loader knows, per layer ones under `layers.{i}.`
-_NAMES = {key: f"layers.{{i}}.{key}" if "{i}" in name else key for key, name in _GGUF_NAMES.items()}
+MODEL_KEYS = ("embed", "final_norm", "lm_head")  # stored under their own names
+
+
+def _names(shape: ModelShape) -> dict[str, str]:
+    """Each canonical key this shape has and its name in the file; per-layer ones under
+    `layers.{i}.`."""
+    return {key: key for key in MODEL_KEYS} | {key: f"layers.{{i}}.{key}"
+                                               for key in expected_layer_shapes(shape)}
 
 
 def write_weights(weights: ModelWeights, path: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {"embed": weights.embed, "final_norm": weights.final_norm}
-    if not weights.shape.tie_embeddings:
-        tensors["lm_head"] = weights.lm_head
+    tensors = {key: getattr(weights, key) for key in MODEL_KEYS
+               if key != "lm_head" or not weights.shape.tie_embeddings}
     for index, layer in enumerate(weights.layers):
         for key in expected_layer_shapes(weights.shape):
             tensors[f"layers.{index}.{key}"] = getattr(layer, key)
@@ -44,5 +48,5 @@ def read_weights(path: Path, dtype: torch.dtype, device: torch.device | str) -> 
         scaling = fields.pop("rope_scaling")
         shape = ModelShape(**fields, rope_scaling=Llama3RopeScaling(**scaling) if scaling else None)
         names = set(entry.keys())
-        return _assemble(shape, lambda name: entry.get_tensor(name) if name in names else None,
-                         _NAMES, dtype, device)
+        return assemble(shape, lambda name: entry.get_tensor(name) if name in names else None,
+                        _names(shape), dtype, device)

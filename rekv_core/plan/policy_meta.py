@@ -5,7 +5,7 @@
 and for boundary states, `gate.calibrate_splitzip`) and `spectrum_probe` (`SpectrumProbe`: whether
 the model tolerates SpectrumKV's INT4 tier, and so how many tiers it runs). The rest records the
 gate's run (prompt length, prompts, continuation, passkey depths, what BF16 found, dtype, text,
-command), which `Policy.merged` compares. `from_json` reads the file's object (keys it does not
+command, and the commit it ran from), which `Policy.merged` compares in part. `from_json` reads the file's object (keys it does not
 know are kept in `extra` and written back); `to_json` writes it, leaving out what is unset.
 """
 
@@ -64,6 +64,9 @@ class PolicyMeta:
     dtype: str | None = None
     text: str | None = None
     command: str | None = None
+    commit: str | None = None  # the code the gate ran (`rekv_cli.bench.provenance`)
+    tree_clean: bool | None = None
+    started: str | None = None
     splitzip: SplitZipCalibration | None = None
     spectrum_probe: SpectrumProbe | None = None
     extra: dict = field(default_factory=dict, compare=False)  # keys of newer or older writers

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rekv_core.transport.base import SenderPool, TransportReceiver
+from rekv_core.transport.base import TransportReceiver
+from rekv_core.transport.pool import SenderPool
 
 TRANSPORTS = ("inprocess", "ucx")
 

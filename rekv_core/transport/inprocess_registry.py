@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import threading
 
-from rekv_core.transport.base import (Message, Pending, SenderPool, TransportReceiver,
-                                      TransportSender)
+from rekv_core.transport.base import Message, Pending, TransportReceiver, TransportSender
+from rekv_core.transport.pool import SenderPool
 from rekv_core.transport.inprocess import InProcessLink
 
 _links: dict[str, InProcessLink] = {}

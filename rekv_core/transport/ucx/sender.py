@@ -17,8 +17,8 @@ import time
 import torch
 
 from rekv_core import streams
-from rekv_core.transport.base import (Message, Pending, SenderPool, TransportError,
-                                      TransportSender)
+from rekv_core.transport.base import Message, Pending, TransportError, TransportSender
+from rekv_core.transport.pool import SenderPool
 from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import (check_buffer_count, encode_frame, message_tag,
                                              wire_view)

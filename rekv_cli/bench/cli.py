@@ -1,11 +1,13 @@
 """`rekv bench handoff`, `rekv bench ttft` and `rekv bench link`: their flags, tables and JSON (the
-runs themselves are `rekv_core.bench.handoff`, `rekv_core.bench.ttft` and `rekv_cli.linkbench`)."""
+runs themselves are `rekv_cli.bench.handoff`, `rekv_cli.bench.ttft` and `rekv_cli.bench.link`).
+Each command reads its `provenance` before anything else and records it in the JSON's meta."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
 
 
@@ -88,9 +90,10 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
 
-    from rekv_core.bench.handoff import BenchConfig, LinkRate, run_bench
+    from rekv_cli.bench.handoff import BenchConfig, LinkRate, run_bench
     from rekv_core.codecs import get_codec
     from rekv_core.settings import RuntimeSettings
 
@@ -113,7 +116,7 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
                          sequential_codecs=args.sequential_codecs, warmups=args.warmups,
                          runs=args.runs,
                          extra={"command": "rekv " + " ".join(sys.argv[1:])
-                                if sys.argv[0].endswith("rekv") else None})
+                                if sys.argv[0].endswith("rekv") else None, **started})
     console.print(f"{model.shape.name}: {model.shape.num_layers} layers, {model.dtype}, "
                   f"{model.device}, {threads} torch threads")
     results = run_bench(model, config, progress=lambda line: console.log(line))
@@ -197,11 +200,12 @@ def add_ttft_parser(which) -> None:
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_core.bench.handoff import LinkRate
-    from rekv_core.bench.ttft import PAIRED, SCHEDULES, TtftConfig, run_ttft_bench
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.ttft import PAIRED, SCHEDULES, TtftConfig, run_ttft_bench
     from rekv_core.codecs import get_codec
     from rekv_core.model.blocks import chunk_bounds
     from rekv_core.settings import RuntimeSettings
@@ -224,7 +228,7 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                         link_rates=[LinkRate.parse(t) for t in args.link_gbps], cuts=args.cuts,
                         codecs=args.codecs, chunk_tokens=args.chunk_tokens,
                         warmups=args.warmups, runs=args.runs,
-                        extra={"command": "rekv " + " ".join(sys.argv[1:])})
+                        extra={"command": "rekv " + " ".join(sys.argv[1:]), **started})
     results = run_ttft_bench(model, config, progress=console.log)
     table = Table(title="TTFT from arrival, best action of each schedule (median ms)")
     for column in ("S", "link", "Gb/s", *SCHEDULES, *(name for name, _ in PAIRED)):
@@ -260,7 +264,7 @@ def print_paired(points: list[dict], ratios, console) -> None:
 
 
 def print_codec_gains(points: list[dict], console) -> None:
-    """The points' `codec_gains` (`rekv_core.bench.ttft.codec_gains`), where they have them."""
+    """The points' `codec_gains` (`rekv_cli.bench.ttft.codec_gains`), where they have them."""
     from rich.table import Table
 
     if not any(p.get("codec_gains") for p in points):
@@ -277,12 +281,13 @@ def print_codec_gains(points: list[dict], console) -> None:
 
 
 def cmd_bench_link(args: argparse.Namespace) -> int:
+    started = provenance()
     from rich.console import Console
     from rich.table import Table
 
-    from rekv_cli.linkbench.report import LINK_PAIRED, plot
-    from rekv_cli.linkbench.sweep import LinkBenchConfig, run_link_bench
-    from rekv_core.bench.handoff import LinkRate
+    from rekv_cli.bench.handoff import LinkRate
+    from rekv_cli.bench.link.report import LINK_PAIRED, plot
+    from rekv_cli.bench.link.sweep import LinkBenchConfig, run_link_bench
     from rekv_core.settings import RuntimeSettings
 
     if args.warmups < 0 or args.runs < 1:
@@ -310,7 +315,7 @@ def cmd_bench_link(args: argparse.Namespace) -> int:
                              runs=args.runs, service_args=service_args, log_dir=args.log_dir,
                              loopback=args.loopback, pin=args.pin, codecs=args.codecs)
     results = run_link_bench(model, config, progress=console.log)
-    results["meta"]["command"] = "rekv " + " ".join(sys.argv[1:])
+    results["meta"].update(command="rekv " + " ".join(sys.argv[1:]), **started)
     out = Console(width=160)
     for point in results["points"]:
         S, link = point["prompt_len"], point["link"]

@@ -43,11 +43,11 @@ from pathlib import Path
 
 import torch
 
+from rekv_cli.bench.handoff import LinkRate, prompt_ids, time_compute_all
+from rekv_cli.bench.link.netns import DECODE_ADDRESS, PREFILL_ADDRESS, EmulatedLink, unavailable
+from rekv_cli.bench.link.report import point_summary, row
+from rekv_cli.bench.machine import machine_info
 from rekv_cli.launcher import ServicePair
-from rekv_cli.linkbench.netns import DECODE_ADDRESS, PREFILL_ADDRESS, EmulatedLink, unavailable
-from rekv_cli.linkbench.report import point_summary, row
-from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
-from rekv_core.bench.machine import machine_info
 from rekv_core.handoff import Action
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model import Model
@@ -284,11 +284,11 @@ class _Sweep:
 
 def run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
                config: LinkBenchConfig, seed: int = 0) -> list[dict]:
-    """The link client (`rekv_cli.linkbench.client`) under `prefix` (e.g. inside the decode
+    """The link client (`rekv_cli.bench.link.client`) under `prefix` (e.g. inside the decode
     namespace): `config.warmups` and `config.runs` rounds of one request per case of `actions`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
         path = out.name
-    command = [*prefix, sys.executable, "-m", "rekv_cli.linkbench.client", "--decode", address,
+    command = [*prefix, sys.executable, "-m", "rekv_cli.bench.link.client", "--decode", address,
                "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(actions),
                "--warmups", str(config.warmups), "--runs", str(config.runs), "--seed", str(seed),
                "--out", path]

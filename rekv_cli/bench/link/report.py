@@ -18,9 +18,9 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from rekv_core.bench.handoff import LinkRate
-from rekv_core.bench.stats import median_ci, paired_ratio
-from rekv_core.bench.ttft import BASE_CODECS, codec_gains
+from rekv_cli.bench.handoff import LinkRate
+from rekv_cli.bench.stats import median_ci, paired_ratio
+from rekv_cli.bench.ttft import BASE_CODECS, codec_gains
 from rekv_core.handoff import Action
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import ModelShape

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rekv_core.bench.handoff import LinkRate, prompt_ids, time_compute_all
-from rekv_core.bench.machine import machine_info
-from rekv_core.bench.stats import median_ci, paired_ratio
+from rekv_cli.bench.handoff import LinkRate, prompt_ids, time_compute_all
+from rekv_cli.bench.machine import machine_info
+from rekv_cli.bench.stats import median_ci, paired_ratio
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import (Action, Delivery, HandoffPlan, Order, Receiving, Sealing,
                                receive_handoff, send_handoff)

@@ -1,6 +1,6 @@
 """The router side of `rekv bench link`, run inside the decode side's namespace.
 
-    python -m rekv_cli.linkbench.client --decode HOST:PORT --prompt-len S --actions JSON
+    python -m rekv_cli.bench.link.client --decode HOST:PORT --prompt-len S --actions JSON
         --warmups W --runs N --seed K --out FILE
 
 The cases are `--actions` (a JSON list of {"action": [codec, cut] or null for the planner's choice,

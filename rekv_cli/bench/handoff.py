@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rekv_core.bench.machine import machine_info
-from rekv_core.bench.stats import median_ci
+from rekv_cli.bench.machine import machine_info
+from rekv_cli.bench.stats import median_ci
 from rekv_core.codecs import get_codec
 from rekv_core.handoff import (Action, Delivery, HandoffPlan, ReceiveMode, Receiving, Sealing,
                                receive_handoff, send_handoff)

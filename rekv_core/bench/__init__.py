@@ -1,1 +1,0 @@
-"""Benchmark runners behind `rekv bench …`; their results are committed under `bench/results/`."""
