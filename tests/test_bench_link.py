@@ -160,8 +160,8 @@ ROWS = [_case("BF16 seed", "bf16_transfer", "bf16", 30, 100.0, "seed"),
     (50.0, True, 0.8333),  # faster than every forced case: the best is still the forced 60
 ], ids=["within", "beyond", "faster"])
 def test_the_planner_is_judged_against_the_best_forced_case(planner_ms, within, over_best):
-    from rekv_cli.linkbench.report import point_summary
-    from rekv_core.bench.handoff import LinkRate
+    from rekv_cli.bench.link.report import point_summary
+    from rekv_cli.bench.handoff import LinkRate
 
     point = point_summary(512, LinkRate.parse("x1"), 0.05, [
         *ROWS, _case("planner", "joint", "int8", 9, planner_ms, planner=True)], balanced=0.05)

@@ -8,13 +8,13 @@ import sys
 import pytest
 
 from rekv_cli.bench.handoff import LinkRate
-from rekv_cli.bench.ttft import SCHEDULES, TtftConfig, cases_for
+from rekv_cli.bench.ttft import SCHEDULES, TtftConfig, Way, cases_for
 from rekv_core.handoff import Action
 
 
 def test_cases_cover_every_schedule():
     cases = cases_for(30, TtftConfig(cuts=[10, 20], codecs=["int8"], chunk_tokens=256))
-    by = {s: [c for c in cases if c.schedule == s] for s in SCHEDULES}
+    by = {s: [c for c in cases if c.way.value == s] for s in SCHEDULES}
     assert [c.action for c in by["colocated"]] == [None]
     assert [(c.action.codec, c.action.cut) for c in by["baseline"]] == [("bf16", 30)]
     streamed = {(c.action.codec, c.action.cut) for c in by["streamed"]}
@@ -25,7 +25,7 @@ def test_cases_cover_every_schedule():
     assert all(0 < c.action.cut < 30 and c.chunk_tokens == 256 for c in by["chunked"])
     assert [c.action for c in by["pipelined"]] == [c.action for c in by["chunked"]]
     spectrum = cases_for(30, TtftConfig(cuts=[10], codecs=["spectrum30"]))
-    assert not any(c.schedule == "pipelined" and c.action.codec == "spectrum30"
+    assert not any(c.way is Way.PIPELINED and c.action.codec == "spectrum30"
                    for c in spectrum)  # it ranks a layer's tokens: no chunk encodes alone
     assert LinkRate.parse("x4").gbps(0.5) == 2.0
 

@@ -19,10 +19,11 @@ does not name.
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import time
 from pathlib import Path
+
+from rekv_core import env
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def provenance(root: Path | None = None) -> dict:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     top = _git(root, "rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != Path(root).resolve():
-        return {"commit": os.environ.get(COMMIT_ENV), "tree_clean": None, "started": started}
+        return {"commit": env.get(COMMIT_ENV), "tree_clean": None, "started": started}
     commit = _git(root, "rev-parse", "HEAD")
     changes = _git(root, "status", "--porcelain", "--untracked-files=no")
     clean = None if changes is None else not changes

@@ -26,6 +26,7 @@ colocated prefill's for the lossless actions.
 
 from __future__ import annotations
 
+import enum
 import random
 import statistics
 import threading
@@ -49,7 +50,18 @@ from rekv_core.handoff.transfer import Transfer
 from rekv_core.model.executor import Model, prefill
 from rekv_core.transport.inprocess import InProcessLink
 
-SCHEDULES = ("baseline", "seed", "streamed", "chunked", "pipelined", "colocated")
+class Way(str, enum.Enum):
+    """How a case serves its request (the module doc's (a)-(e)); the value names it in results."""
+
+    BASELINE = "baseline"
+    SEED = "seed"
+    STREAMED = "streamed"
+    CHUNKED = "chunked"
+    PIPELINED = "pipelined"
+    COLOCATED = "colocated"
+
+
+SCHEDULES = tuple(way.value for way in Way)  # the results' names, in table order
 PAIRED = (("(d)/(e)", "chunked_over_colocated"), ("(a)/(d)", "baseline_over_chunked"),
           ("(b)/(d)", "seed_over_chunked"), ("(d')/(e)", "pipelined_over_colocated"),
           ("(a)/(d')", "baseline_over_pipelined"), ("(b)/(d')", "seed_over_pipelined")
@@ -58,17 +70,17 @@ PAIRED = (("(d)/(e)", "chunked_over_colocated"), ("(a)/(d)", "baseline_over_chun
 
 @dataclass(frozen=True)
 class TtftCase:
-    schedule: str
+    way: Way
     action: Action | None = None  # None: colocated
     chunk_tokens: int = 0
 
     @property
     def label(self) -> str:
         if self.action is None:
-            return self.schedule
+            return self.way.value
         a = self.action
         boundary = "+zb" if a.boundary != "bf16" else ""
-        return f"{self.schedule} {a.codec if a.cut else 'tokens'}/{a.cut}{boundary}"
+        return f"{self.way.value} {a.codec if a.cut else 'tokens'}/{a.cut}{boundary}"
 
 
 @dataclass
@@ -97,11 +109,11 @@ def actions_for(L: int, config: TtftConfig) -> list[Action]:
 
 def cases_for(L: int, config: TtftConfig) -> list[TtftCase]:
     actions = actions_for(L, config)
-    cases = [TtftCase("baseline", Action.full_bf16(L)), TtftCase("colocated")]
-    cases += [TtftCase("seed", a) for a in actions if a != Action.full_bf16(L)]
-    cases += [TtftCase("streamed", a) for a in actions]
-    cases += [TtftCase("chunked", a, config.chunk_tokens) for a in actions if a.sends_boundary]
-    cases += [TtftCase("pipelined", a, config.chunk_tokens) for a in actions
+    cases = [TtftCase(Way.BASELINE, Action.full_bf16(L)), TtftCase(Way.COLOCATED)]
+    cases += [TtftCase(Way.SEED, a) for a in actions if a != Action.full_bf16(L)]
+    cases += [TtftCase(Way.STREAMED, a) for a in actions]
+    cases += [TtftCase(Way.CHUNKED, a, config.chunk_tokens) for a in actions if a.sends_boundary]
+    cases += [TtftCase(Way.PIPELINED, a, config.chunk_tokens) for a in actions
               if a.sends_boundary and not get_codec(a.codec).importance_window]
     return cases
 
@@ -129,10 +141,10 @@ def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[in
         try:
             began = time.perf_counter()
             window = get_codec(action.codec).importance_window if action.cut else 0
-            if case.schedule == "pipelined":
+            if case.way is Way.PIPELINED:
                 source = ChunkedPrefill(model, ids, action.cut, case.chunk_tokens)
                 outcome["source"] = source
-            elif case.schedule in ("streamed", "chunked"):
+            elif case.way in (Way.STREAMED, Way.CHUNKED):
                 source = LivePrefill(model, ids, action.cut, importance_window=window)
                 outcome["source"] = source
             else:
@@ -207,7 +219,7 @@ def _row(case: TtftCase, S: int, rate: LinkRate, gbps: float, samples: list[Ttft
     ttfts = [s.ttft_s * 1e3 for s in samples]
     median, (low, high) = median_ci(ttfts)
     a = case.action
-    return {"schedule": case.schedule, "label": case.label, "prompt_len": S, "link": rate.label,
+    return {"schedule": case.way.value, "label": case.label, "prompt_len": S, "link": rate.label,
             "link_gbps": round(gbps, 6), "codec": a.codec if a else None,
             "cut": a.cut if a else None, "boundary": a.boundary if a else None,
             "chunk_tokens": case.chunk_tokens,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rekv_cli.bench.handoff import LinkRate
 from rekv_cli.bench.stats import median_ci, paired_ratio
-from rekv_cli.bench.ttft import BASE_CODECS, codec_gains
+from rekv_cli.bench.ttft import BASE_CODECS, Way, codec_gains
 from rekv_core.handoff import Action
 from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import ModelShape
@@ -41,12 +41,12 @@ def _label(kind: str, codec: str, cut: int) -> str:
             "token_recompute": "tokens"}.get(kind, interior)
 
 
-def schedule_class(streamed: bool, chunk_tokens: int, pipelined: bool = False) -> str:
+def schedule_class(streamed: bool, chunk_tokens: int, pipelined: bool = False) -> Way:
     if not streamed:
-        return "seed"
+        return Way.SEED
     if pipelined:
-        return "pipelined"
-    return "chunked" if chunk_tokens else "streamed"
+        return Way.PIPELINED
+    return Way.CHUNKED if chunk_tokens else Way.STREAMED
 
 
 def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) -> dict:
@@ -57,10 +57,10 @@ def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) ->
     schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0, bool(order and order[0]))
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
-            "schedule": schedule, "chunk_tokens": chunk,
+            "schedule": schedule.value, "chunk_tokens": chunk,
             "boundary": boundary,
             "label": ("planner: " if planner else "") + _label(kind, codec, cut)
-            + ("+zb" if boundary != "bf16" else "") + f" {schedule}",
+            + ("+zb" if boundary != "bf16" else "") + f" {schedule.value}",
             "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
             "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary), shape, S).total,
             "median_ms": median, "ci95_ms": [low, high],
@@ -86,16 +86,16 @@ def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balance
         return {"label": r["label"], "action": r["action"], "codec": r["codec"], "cut": r["cut"],
                 "median_ms": r["median_ms"]}
 
-    def best_of(schedule: str) -> dict:
+    def best_of(way: Way) -> dict:
         """The seed's: any action; streamed: transfer-only, or an interior cut with the boundary
         in one message; chunked: an interior cut with the boundary in chunks, in layer order;
         pipelined: the same in token order. None: no such case."""
         def member(r: dict) -> bool:
-            return r["schedule"] == schedule and r["action"] != "token_recompute"
+            return r["schedule"] == way.value and r["action"] != "token_recompute"
         return min(filter(member, forced), key=lambda r: r["median_ms"], default=None)
 
-    way_rows = {"baseline": bf16, "seed": best_of("seed"), "streamed": best_of("streamed"),
-                "chunked": best_of("chunked"), "pipelined": best_of("pipelined"),
+    way_rows = {"baseline": bf16, "seed": best_of(Way.SEED), "streamed": best_of(Way.STREAMED),
+                "chunked": best_of(Way.CHUNKED), "pipelined": best_of(Way.PIPELINED),
                 "local_prefill": next(r for r in forced if r["action"] == "token_recompute")}
     way_rows = {way: r for way, r in way_rows.items() if r is not None}
     ways = {way: brief(r) for way, r in way_rows.items()}
