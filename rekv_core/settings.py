@@ -9,7 +9,7 @@ the only dtype on CUDA; the CPU runs float32 (default there) or BF16.
 CPU threads: a handoff runs two branches at once, the suffix compute and the prefix receive and
 decode. The compute branch is the expensive one, so `apply_threads()` gives torch's intra-op pool
 every core this process may use (`torch_threads = 0`); the prefix branch dequantizes one layer
-(well under a millisecond at 2K tokens on this model) between waits on the wire and takes its cycles
+(a small fraction of a layer's compute) between waits on the wire and takes its cycles
 from that pool. Reserving a core for it instead would halve the suffix's speed on a 2-core machine;
 `rekv bench handoff` reports the measured cost of the sharing (suffix seconds per layer alone and
 while the prefix branch runs).

@@ -62,6 +62,7 @@ class HandoffReport:
     j_ms: float = 0.0
     fallback_reason: str = ""  # set when the handoff failed and the prompt was recomputed here
     delivery: Delivery | None = None  # how the handoff was sent (None: no handoff)
+    send_ms: float = 0.0  # the prefill side's first message posted to last byte gone
     prefill_link_gbps: float = 0.0  # the link rate the prefill side planned with (0: no reply)
 
     @property

@@ -25,8 +25,8 @@ when a prefill replica connects to a decode worker (`Prefill.Connect`), it sends
   the end later). So the sample is the link's rate, a little less for the gaps between stages,
   or how fast this worker takes bytes in when that is slower, which bounds a handoff just as
   well. It errs high only when the anchor's last byte is stamped late (the reader's thread kept
-  from the core just then): by that delay over the probe's time, up to 30% on a loaded 2-core
-  machine in tests, for a probe of a few tens of ms. None when the transport does not stamp
+  from the core just then): by that delay over the probe's time, which on a loaded machine is
+  a sizeable share of a probe of a few tens of ms. None when the transport does not stamp
   arrivals (in-process), or neither anchor landed while the reader waited for it.
 
 A handoff's own link samples (`transport.arrivals`) must tell wire time from the sender's pauses

@@ -189,7 +189,8 @@ class Handoffs:
             action=result.action, bytes=result.bytes, predicted_ms=reply.predicted_ms,
             measured_ms=observed.handoff_s * 1e3, prefill_ms=reply.prefill_ms, q_ms=reply.q_ms,
             h_ms=observed.boundary_s * 1e3, x_ms=t.x_s * 1e3, r_ms=t.r_s * 1e3,
-            j_ms=t.j_s * 1e3, delivery=reply.delivery, prefill_link_gbps=reply.link_gbps)
+            j_ms=t.j_s * 1e3, delivery=reply.delivery, send_ms=reply.send_ms,
+            prefill_link_gbps=reply.link_gbps)
         return Handed(result.cache, result.logits, report, learned.link_sample_gbps)
 
     async def _fallback(self, ids: list[int], capacity: int, began: float,

@@ -110,11 +110,13 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,
                           handed.report)
         h = handed.report
-        log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f predicted_ms=%.1f "
-                 "ttft_ms=%.1f new_tokens=%d fallback=%s request_ms=%.1f link_sample_gbps=%.3f "
-                 "link_gbps=%.3f", call.request_id, len(ids), h.action.codec, h.action.cut,
-                 h.measured_ms, h.predicted_ms, ttft * 1e3, len(tokens), h.fallback, total * 1e3,
-                 handed.link_sample_gbps or 0.0, worker.connector.link_gbps)
+        log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f delivery=%s "
+                 "predicted_ms=%.1f send_ms=%.1f ttft_ms=%.1f new_tokens=%d fallback=%s "
+                 "request_ms=%.1f link_sample_gbps=%.3f link_gbps=%.3f prefill_link_gbps=%.3f",
+                 call.request_id, len(ids), h.action.codec, h.action.cut, h.measured_ms,
+                 h.delivery, h.predicted_ms, h.send_ms, ttft * 1e3, len(tokens), h.fallback,
+                 total * 1e3, handed.link_sample_gbps or 0.0, worker.connector.link_gbps,
+                 h.prefill_link_gbps)
         yield wire_convert.summary_response(done)
 
 
