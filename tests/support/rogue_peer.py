@@ -1,13 +1,12 @@
 """A hostile process on the data plane, for the fault tests: it can reach the decode worker's UCX
-port but holds no handoff key.
+port but holds no handoff key. Run from the repository's root as `python tests/support/rogue_peer.py
+ADDRESS WHAT ...`, WHAT being
 
-    python tests/rogue_peer.py ADDRESS random_tcp [COUNT]        COUNT TCP connections of random bytes
-    python tests/rogue_peer.py ADDRESS garbage TRANSFER           a frame of random bytes under the
-                                                                 transfer's first tag
-    python tests/rogue_peer.py ADDRESS oversized TRANSFER         a 64 MiB frame under that tag
-    python tests/rogue_peer.py ADDRESS frames COUNT               COUNT frames of random bytes and
-                                                                 sizes, each under a random tag
-    python tests/rogue_peer.py ADDRESS unsealed|wrong_key TRANSFER
+    random_tcp [COUNT]          COUNT TCP connections of random bytes
+    garbage TRANSFER            a frame of random bytes under the transfer's first tag
+    oversized TRANSFER          a 64 MiB frame under that tag
+    frames COUNT                COUNT frames of random bytes and sizes, each under a random tag
+    unsealed|wrong_key TRANSFER
         a well-formed plan and boundary for the transfer (the embedded model's shape), without a
         MAC or sealed with a key of its own
 

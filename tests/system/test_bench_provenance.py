@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rekv_cli.bench.provenance import COMMIT_ENV, provenance
-from tests.git_checkout import git, make_checkout
+from tests.support.git_checkout import git, make_checkout
 
 
 @pytest.fixture

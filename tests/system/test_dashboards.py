@@ -20,13 +20,12 @@ import shutil
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from services.metrics import ServiceMetrics
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 SPEC = importlib.util.spec_from_file_location("dashboard_picture",
                                               ROOT / "bench" / "dashboard_picture.py")
 bench = importlib.util.module_from_spec(SPEC)

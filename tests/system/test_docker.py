@@ -27,8 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rekv_cli.health import default_address
 from services.settings import ROLES, ServiceSettings
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
 DOCKERFILES = [DOCKER / "Dockerfile.cpu", DOCKER / "Dockerfile.cuda"]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -31,7 +31,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,8 +40,8 @@ from rekv_cli.bench.link.sweep import TCP_ONLY
 from rekv_cli.launcher import ServicePair
 from rekv_core.handoff.transfer import allowed_s
 from rekv_core.model import Model, greedy_generate, load_weights
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "rekv_core/plan/profiles/smollm2-135m.json"
 LINK_GBPS = 0.05  # a full BF16 transfer of PROMPT_LEN tokens (5.9 MB) takes about 1 s on the wire
 PROMPT_LEN = 256

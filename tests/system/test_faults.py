@@ -3,11 +3,12 @@
 One decode service runs throughout, pointed at a fixed prefill port, where a prefill service runs
 with `--fault-inject by_request` (services/prefill/faults.py: a request id `hold_boundary/x` holds
 that handoff after its boundary, `flip_bit/x` flips a bit of it, ...); tests kill it with SIGKILL
-(and start another), or send from a hostile process (tests/rogue_peer.py). After each fault the request
-must complete with the reference's tokens (recomputed on the decode side, and counted by reason),
-nothing may stay held (the data plane's pending state, the handoffs and transfers in flight), and
-the services must keep serving. (`REKV_FUZZ_UCX_CONNECTIONS` and `REKV_FUZZ_UCX_FRAMES` raise the
-number of random-byte connections and random frames for a bench run.)
+(and start another), or send from a hostile process (tests/support/rogue_peer.py). After each fault
+the request must complete with the reference's tokens (recomputed on the decode side, and counted
+by reason), nothing may stay held (the data plane's pending state, the handoffs and transfers in
+flight), and the services must keep serving. (`REKV_FUZZ_UCX_CONNECTIONS` and
+`REKV_FUZZ_UCX_FRAMES` raise the number of random-byte connections and random frames for a bench
+run.)
 """
 
 import os
@@ -29,6 +30,7 @@ from rekv_cli.client import generate, generate_request
 from rekv_cli.launcher import ServiceProcess
 from rekv_core.model import Model, greedy_generate, load_weights
 from services.rpc import rekv_pb2_grpc
+from tests.support.paths import ROGUE_PEER, ROOT
 
 THREADS = ["--torch-threads", "1", "--dtype", "bfloat16"]
 PROMPT = ("The history of the city begins with a small settlement on the river. " * 6
@@ -181,9 +183,8 @@ class InBackground:
 
 
 def _rogue(*args: str) -> None:
-    rogue = Path(__file__).with_name("rogue_peer.py")
-    done = subprocess.run([sys.executable, str(rogue), *args], capture_output=True, text=True,
-                          timeout=120, cwd=rogue.parent.parent)
+    done = subprocess.run([sys.executable, str(ROGUE_PEER), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
     assert done.returncode == 0 and "sent" in done.stdout, done.stderr[-3000:]
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair
 from services.rpc import rekv_pb2, rekv_pb2_grpc
-from tests.test_fuzz_requests import FIELDS, generate_requests, handoff_requests
+from tests.unit.services.test_fuzz_requests import FIELDS, generate_requests, handoff_requests
 
 CASES = settings(max_examples=int(os.environ.get("REKV_FUZZ_LIVE_EXAMPLES", "25")),
                  deadline=None, suppress_health_check=[HealthCheck.too_slow,

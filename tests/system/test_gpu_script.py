@@ -4,9 +4,8 @@ writes what the summary reads, so a lent GPU's minutes are never lost to a typo 
 import json
 import os
 import subprocess
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
 
 
 def test_the_dry_run_passes_every_step(tmp_path):

@@ -4,11 +4,11 @@ Hugging Face checkpoint, UCX on loopback; every lossless action must reproduce t
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 SCRIPT = ROOT / "bench" / "gpu" / "services_e2e.py"
 
 pytest.importorskip("transformers")

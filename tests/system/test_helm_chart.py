@@ -19,14 +19,14 @@ import subprocess
 import sys
 import tomllib
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 CHART = ROOT / "helm" / "rekv"
 GOLDEN = CHART / "ci" / "golden"
 RELEASE = NAMESPACE = "rekv"

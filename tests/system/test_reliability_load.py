@@ -9,11 +9,12 @@ import os
 import random
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "reliability_load.py"
+from tests.support.paths import ROOT
+
+SCRIPT = ROOT / "bench" / "reliability_load.py"
 BURST, REQUESTS = 32, 40
 THREAD_SLACK = 4  # threads a service may start after the burst (not one per request)
 

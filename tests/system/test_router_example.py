@@ -11,15 +11,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 from rekv_core.model import Model, greedy_generate, load_weights
 from rekv_cli.launcher import ServiceProcess
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PROFILE = ROOT / "rekv_core" / "plan" / "profiles" / "smollm2-135m.json"
 READY_S = 240.0  # start-up of one service, under a loaded CI machine
 LOSSLESS = ("bf16", 30)  # smollm2-135m has 30 layers: every layer transferred in BF16

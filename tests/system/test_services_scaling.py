@@ -3,7 +3,6 @@ spread over both prefill replicas, and killing one mid-run loses no request."""
 
 import re
 import threading
-from pathlib import Path
 
 import grpc
 import pytest
@@ -12,8 +11,8 @@ import torch
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServiceProcess
 from rekv_core.model import Model, greedy_generate, load_weights
+from tests.support.paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 4
 # the shipped profile spares each process its start-up measurement: every call forces its action
 SETTINGS = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens", "256",

@@ -8,7 +8,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair
-from tests.certs import Authority
+from tests.support.certs import Authority
 
 SETTINGS = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens", "128",
             "--max-new-tokens", "8", "--codecs", "bf16,int8"]

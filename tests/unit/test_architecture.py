@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 PACKAGES = ("rekv_core", "services", "rekv_cli")
 GENERATED = ROOT / "services" / "rpc" / "rekv"
 

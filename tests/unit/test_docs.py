@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import ROOT
+
 RESULTS = ROOT / "bench" / "results"
 README_MAX_LINES = 200
 README_COMMANDS = ("make demo", "make test")

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import math
 import types
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +12,9 @@ import torch
 from rekv_core.codecs import codec_names
 from rekv_core.model import Model, ModelShape
 from rekv_core.model.weights import synthetic_weights
+from tests.support.paths import ROOT
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "codecs.py"
+SCRIPT = ROOT / "bench" / "codecs.py"
 SHAPE = ModelShape(name="tiny-bench", family="qwen2", num_layers=3, hidden_size=128, num_heads=2,
                    num_kv_heads=1, head_dim=64, ffn_size=128, vocab_size=128, rope_theta=1e4,
                    rms_eps=1e-6, tie_embeddings=False, max_positions=256)

@@ -1,12 +1,13 @@
 """bench/planner_cold.py's summary of one point: its ratios come from the right samples."""
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 
+from tests.support.paths import ROOT
+
 SPEC = importlib.util.spec_from_file_location(
-    "planner_cold", Path(__file__).resolve().parents[1] / "bench" / "planner_cold.py")
+    "planner_cold", ROOT / "bench" / "planner_cold.py")
 planner_cold = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(planner_cold)
 

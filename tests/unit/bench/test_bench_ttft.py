@@ -1,9 +1,7 @@
-"""`rekv bench ttft` at a tiny size: every schedule's cases run, the lossless ones give the
-colocated prefill's first token, and a point's summary is the best case of each schedule."""
-
-import json
-import subprocess
-import sys
+"""`rekv bench ttft`'s cases and summaries: every schedule has its cases, splitzip adds
+boundary-coded joint actions, and a codec's gain compares best cases. The command at a tiny size
+(every schedule's cases run, the lossless ones give the colocated prefill's first token, and a
+point's summary is the best case of each schedule): tests/system/test_commands.py."""
 
 import pytest
 
@@ -28,40 +26,6 @@ def test_cases_cover_every_schedule():
     assert not any(c.way is Way.PIPELINED and c.action.codec == "spectrum30"
                    for c in spectrum)  # it ranks a layer's tokens: no chunk encodes alone
     assert LinkRate.parse("x4").gbps(0.5) == 2.0
-
-
-def test_bench_ttft_command(tmp_path):
-    out = tmp_path / "ttft.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "rekv_cli", "bench", "ttft", "--prompt-len", "300",
-         "--link-gbps", "x1", "--cuts", "15", "--warmups", "0", "--runs", "1",
-         "--threads", "2", "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(out.read_text())
-    (point,) = results["points"]
-    rows = results["rows"]
-    assert {r["schedule"] for r in rows} == set(SCHEDULES)
-    for schedule in SCHEDULES:
-        best = min((r for r in rows if r["schedule"] == schedule), key=lambda r: r["median_ms"])
-        assert point["best"][schedule]["label"] == best["label"]
-    assert point["chunked_over_colocated"] == pytest.approx(
-        point["best"]["chunked"]["median_ms"] / point["best"]["colocated"]["median_ms"])
-    # one round: the paired ratio is that round's ratio of the same two rows
-    samples = {s: next(r for r in rows if r["label"] == point["best"][s]["label"])["samples_ms"]
-               for s in ("chunked", "colocated")}
-    paired = point["paired"]["chunked_over_colocated"]
-    assert paired["median"] == pytest.approx(samples["chunked"][0] / samples["colocated"][0])
-    assert paired["ci95"][0] <= paired["median"] <= paired["ci95"][1]
-    lossless = [r for r in rows if r["codec"] in (None, "bf16")]
-    assert lossless and all(r["same_first_token"] for r in lossless)
-    streamed_tokens = next(r for r in rows if r["label"] == "streamed tokens/0")
-    assert streamed_tokens["prefill_ms"] == 0  # token-only: the prefill computes nothing
-    assert point["seed_over_pipelined"] == pytest.approx(
-        point["best"]["seed"]["median_ms"] / point["best"]["pipelined"]["median_ms"])
-    assert next(r for r in rows if r["label"] == "pipelined int8/15")["prefill_ms"] > 0
-    partial = next(r for r in rows if r["label"] == "streamed int8/15")
-    full = next(r for r in rows if r["label"] == "seed int8/15")
-    assert partial["prefill_ms"] < full["prefill_ms"]  # 15 of 30 layers against all 30
 
 
 def test_splitzip_adds_boundary_coded_joint_actions():

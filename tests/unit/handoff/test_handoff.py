@@ -14,7 +14,7 @@ from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 4
 

@@ -32,7 +32,7 @@ from rekv_core.model.weights import synthetic_weights
 from rekv_core.plan.gate import reconstructed_cache
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 
 SHAPE = ModelShape(name="tiny-codecs", family="qwen2", num_layers=6, hidden_size=128,
                    num_heads=4, num_kv_heads=2, head_dim=32, ffn_size=256, vocab_size=512,

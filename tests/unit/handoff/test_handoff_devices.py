@@ -24,7 +24,7 @@ from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]

@@ -233,7 +233,7 @@ def _handoff(model, action, send_encrypted: bool, receive_encrypted: bool):
     from rekv_core.handoff.transfer import Transfer
     from rekv_core.model import prefill
     from rekv_core.transport.inprocess import InProcessLink
-    from tests.inprocess_handoff import planned
+    from tests.support.inprocess_handoff import planned
 
     ids = list(range(1, 41))
     state, key = prefill(model, ids), new_key()

@@ -22,7 +22,7 @@ from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import executor, prefill
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import MessageNames, run_handoff
+from tests.support.inprocess_handoff import MessageNames, run_handoff
 
 
 def _ids(n, seed=0):

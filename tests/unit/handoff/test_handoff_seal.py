@@ -13,7 +13,7 @@ from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import prefill
 from rekv_core.transport import Message, TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 
 IDS = list(range(1, 41))
 

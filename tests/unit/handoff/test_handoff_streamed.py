@@ -21,7 +21,7 @@ from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.executor import final_logits
 from rekv_core.transport import TransportError
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import MessageNames, planned, run_handoff
+from tests.support.inprocess_handoff import MessageNames, planned, run_handoff
 
 
 def test_chunk_bounds():

@@ -13,7 +13,7 @@ from rekv_core.handoff.transfer import (Transfer, TransferBook, TransferCancelle
 from rekv_core.model import prefill
 from rekv_core.transport import SenderPool, TransportSender
 from rekv_core.transport.inprocess import InProcessLink
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 from services.admission import Admission
 from services.errors import ResourceExhausted
 

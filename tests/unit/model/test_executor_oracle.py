@@ -6,7 +6,7 @@ import torch
 
 from rekv_core.model import Model, greedy_generate, prefill
 from rekv_core.model.weights import load_hf_checkpoint
-from tests.oracle import assert_close, hf_prefill
+from tests.support.oracle import assert_close, hf_prefill
 
 pytestmark = pytest.mark.oracle
 

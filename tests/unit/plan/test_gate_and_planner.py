@@ -188,38 +188,6 @@ def test_the_embedded_models_policy_ships_with_its_verdicts():
     assert shipped_policy("no-such-model") is None
 
 
-def _rekv(*args):
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "rekv_cli", *args], capture_output=True,
-                          text=True, timeout=600)
-
-
-def test_profile_then_plan_from_the_command_line(tmp_path):
-    profile = tmp_path / "profile.json"
-    result = _rekv("profile", "--lengths", "16,64", "--codecs", "bf16,int8", "--out",
-                   str(profile), "--dtype", "bfloat16")
-    assert result.returncode == 0, result.stderr
-    data = json.loads(profile.read_text())
-    assert data["layer_ms"]["lengths"] == [16, 64] and set(data["quantize_ms_per_mib"]) == {
-        "bf16", "int8"}
-    policy = tmp_path / "policy.json"
-    _policy({"int8": 30}).save(policy)
-    result = _rekv("plan", "--prompt-len", "2048", "--link-gbps", "0.2", "--profile",
-                   str(profile), "--policy", str(policy), "--json")
-    assert result.returncode == 0, result.stderr
-    decision = json.loads(result.stdout)
-    assert set(decision["chosen"]) == {"action", "codec", "cut", "predicted_ms", "pipelined"}
-    ranked = [c["predicted_ms"] for c in decision["candidates"]]
-    assert ranked == sorted(ranked) and decision["chosen"]["predicted_ms"] == ranked[0]
-    fast = json.loads(_rekv("plan", "--prompt-len", "2048", "--link-gbps", "400", "--profile",
-                            str(profile), "--policy", str(policy), "--json").stdout)
-    assert fast["chosen"]["cut"] >= decision["chosen"]["cut"]  # a faster link sends more
-    result = _rekv("plan", "--prompt-len", "0", "--link-gbps", "1", "--profile", str(profile))
-    assert result.returncode == 2 and "prompt-len" in result.stderr
-
-
 def test_top1_agreement_accepts_exact_bf16_ties_only():
     from rekv_core.plan.gate import _score, _Tally
 

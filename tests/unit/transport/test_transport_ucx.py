@@ -17,7 +17,7 @@ from rekv_core.transport.arrivals import link_sample
 from rekv_core.transport.pacing import PacedSender
 from rekv_core.transport.ucx import (UcxEngine, UcxReceiver, UcxSender, UcxSenderPool,
                                     message_tag)
-from tests.inprocess_handoff import planned
+from tests.support.inprocess_handoff import planned
 
 
 @pytest.fixture(scope="module")
