@@ -3,8 +3,8 @@ ci/gpu-values.yaml, TLS off): helm lint and template, Kubernetes' schemas (kuber
 checkov, the prometheus-operator monitors (CRDs) structurally, the rendered contract (ports,
 labels, probes, TLS, NetworkPolicy, security), and golden copies ci/golden/<name>.yaml (without
 the dashboard ConfigMaps, which hold dashboards/*.json; the generated TLS Secret's random data as
-GENERATED): `REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden` rewrites them and
-fails, saying so. Tools (.tools/bin, else PATH): `bash .ci/install-helm.sh`, `bash
+GENERATED): `REKV_UPDATE_GOLDEN=1 pytest tests/system/test_helm_chart.py -k golden` rewrites them
+and fails, saying so. Tools (.tools/bin, else PATH): `bash .ci/install-helm.sh`, `bash
 .ci/install-linters.sh`; tests skip, saying so, where their tool is missing."""
 
 from __future__ import annotations
@@ -397,4 +397,4 @@ def test_render_matches_golden_copy(helm, name):
         pytest.fail(f"REKV_UPDATE_GOLDEN=1: wrote {path.relative_to(ROOT)}, compared nothing")
     assert path.exists() and text == path.read_text(), (
         f"the chart renders differently from {path.relative_to(ROOT)}; if intended: "
-        f"REKV_UPDATE_GOLDEN=1 pytest tests/test_helm_chart.py -k golden")
+        f"REKV_UPDATE_GOLDEN=1 pytest tests/system/test_helm_chart.py -k golden")
