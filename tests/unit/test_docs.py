@@ -5,8 +5,8 @@
 - every file under `bench/results/` is named in `bench/results/README.md` (a file in a folder by
   its path, or by its name with each of its folders named too);
 - every relative link in `README.md`, `docs/*.md` and the READMEs the docs split wrote
-  (`bench/results/README.md`, `helm/rekv/README.md`) resolves to an existing path, except the
-  paths in `PENDING_LINK_TARGETS`.
+  (`bench/results/README.md`, `helm/rekv/README.md`, `tests/README.md`) resolves to an existing
+  path.
 
 Each check is a function returning what is wrong (empty when nothing is), tested here on broken
 inputs as well as on the repository.
@@ -24,8 +24,6 @@ from tests.support.paths import ROOT
 RESULTS = ROOT / "bench" / "results"
 README_MAX_LINES = 200
 README_COMMANDS = ("make demo", "make test")
-# Written in parallel by another change (the tests' own README); drop it from here once it lands.
-PENDING_LINK_TARGETS = frozenset({"tests/README.md"})
 
 _FENCE = re.compile(r"^\s*```")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
@@ -85,7 +83,7 @@ def unindexed_results(results: Path) -> list[str]:
     return [f.as_posix() for f in files if f != Path("README.md") and not _named(text, f)]
 
 
-def broken_links(doc: Path, root: Path, pending=PENDING_LINK_TARGETS) -> list[str]:
+def broken_links(doc: Path, root: Path) -> list[str]:
     """Relative link targets in `doc` (outside code blocks) that do not exist under `root`."""
     broken = []
     for number, line in _outside_fences(doc.read_text()):
@@ -93,19 +91,14 @@ def broken_links(doc: Path, root: Path, pending=PENDING_LINK_TARGETS) -> list[st
             path = target.split("#")[0]
             if not path or re.match(r"^[a-z][a-z0-9+.-]*:", target):
                 continue  # an anchor on the same page, or a URL
-            resolved = (doc.parent / path).resolve()
-            try:
-                key = resolved.relative_to(root.resolve()).as_posix()
-            except ValueError:
-                key = None
-            if not resolved.exists() and key not in pending:
+            if not (doc.parent / path).resolve().exists():
                 broken.append(f"{doc.relative_to(root)}:{number}: {target}")
     return broken
 
 
 def _docs() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-            RESULTS / "README.md", ROOT / "helm" / "rekv" / "README.md"]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESULTS / "README.md",
+            ROOT / "helm" / "rekv" / "README.md", ROOT / "tests" / "README.md"]
 
 
 # The repository
@@ -189,12 +182,5 @@ def test_link_check_catches_a_broken_link(tmp_path):
     doc.write_text("[ok](../there.md#part) [gone](../missing.md) [web](https://example.com/x)\n"
                    "[anchor](#top)\n```\n[in code](nowhere.md)\n```\n"
                    "![picture](img/none.png)\n")
-    assert broken_links(doc, tmp_path, pending=frozenset()) == [
+    assert broken_links(doc, tmp_path) == [
         "docs/page.md:1: ../missing.md", "docs/page.md:6: img/none.png"]
-
-
-def test_link_check_allows_only_the_pending_targets(tmp_path):
-    doc = tmp_path / "README.md"
-    doc.write_text("[tests](tests/README.md) [other](tests/OTHER.md)\n")
-    assert broken_links(doc, tmp_path, pending=frozenset({"tests/README.md"})) == [
-        "README.md:1: tests/OTHER.md"]
