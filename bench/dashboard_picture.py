@@ -6,7 +6,7 @@ scraping every second a prefill service, a decode service pointed at it (`Servic
 decode service whose prefill address is closed (it falls back). `drive_traffic`: `traffic_plan`'s
 requests, to 127.0.0.1 only. `evaluate`: every panel target through the HTTP API, template
 variables at "All". `main` draws the panels over the traffic window like the dashboard's grid into
-bench/results/dashboard-overview.png (values: .json, the run: .md). tests/test_dashboards.py
+bench/results/dashboard-overview.png (values: .json, the run: .md). tests/system/test_dashboards.py
 imports this module and runs one round.
 """
 

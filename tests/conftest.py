@@ -1,10 +1,12 @@
-"""Shared fixtures. Triton runs in interpreter mode on machines without CUDA; that must be decided
-before anything imports triton."""
+"""Shared fixtures, and the `system` marker on every test under tests/system (so `-m "not system"`
+and `pytest tests/unit` select the same tests). Triton runs in interpreter mode on machines without
+CUDA; that must be decided before anything imports triton."""
 
 import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -23,6 +25,15 @@ from rekv_core.model import Model, embedded_gguf_path, load_weights  # noqa: E40
 from rekv_core.model.tokenizer import GGUFTokenizer  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+SYSTEM = Path(__file__).resolve().parent / "system"
+
+
+def pytest_collection_modifyitems(items):
+    """Marks `system` every test whose file is under tests/system: the folder is the marker."""
+    for item in items:
+        if SYSTEM in Path(item.path).resolve().parents:
+            item.add_marker(pytest.mark.system)
 
 
 @pytest.fixture(scope="session")

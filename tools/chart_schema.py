@@ -27,7 +27,7 @@ CHART = ROOT / "helm" / "rekv"
 VALUES = CHART / "values.yaml"
 SCHEMA = CHART / "values.schema.json"
 ROLES = ("prefill", "decode")
-# rekv_core.codecs.codec_names(); tests/test_helm_chart.py checks that the two agree.
+# rekv_core.codecs.codec_names(); tests/system/test_helm_chart.py checks that the two agree.
 CODECS = ["bf16", "int8", "int4", "int4h", "spectrum30", "spectrum50", "splitzip"]
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 PORT = {"type": "integer", "minimum": 1, "maximum": 65535}

@@ -84,8 +84,9 @@ fi
 
 step env 30 "$PYTHON" bench/gpu/env_info.py --json "$OUT/env.json"
 # only the modules that hold cuda-marked tests: the others need nothing a GPU adds
-step cuda_tests 150 "$PYTHON" -m pytest -q -m cuda $(grep -l "mark.cuda" tests/test_*.py) \
-    -p no:cacheprovider --junitxml "$OUT/cuda_tests.xml"
+step cuda_tests 150 "$PYTHON" -m pytest -q -m cuda \
+    $(grep -rl --include="test_*.py" "mark.cuda" tests) -p no:cacheprovider \
+    --junitxml "$OUT/cuda_tests.xml"
 step kernels 90 "$PYTHON" bench/gpu/kernels_check.py --device "$DEVICE" "${KERNELS[@]}" \
     --json "$OUT/kernels.json"
 step services 120 "$PYTHON" bench/gpu/services_e2e.py --device "$DEVICE" "${SERVICES[@]}" \

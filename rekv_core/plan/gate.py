@@ -3,10 +3,10 @@
 For each prompt (a window of the evaluation text), the BF16 prefill of its S prompt tokens gives
 the reference cache. An action's reconstructed cache holds layers 0..c−1 through codec b's round
 trip and layers c..L−1 unchanged: the suffix recomputed from the BF16 boundary h_c is bit-identical
-to the prefill's on the same device and dtype (tested in `tests/test_executor_exactness.py`), so
-the gate does not re-run it. Both caches then score the same continuation teacher-forced
-(`extend`): the next token after the prompt (the first one decoded from the handed-off cache),
-then `continuation` tokens.
+to the prefill's on the same device and dtype (tested in
+`tests/unit/model/test_executor_exactness.py`), so the gate does not re-run it. Both caches then
+score the same continuation teacher-forced (`extend`): the next token after the prompt (the first
+one decoded from the handed-off cache), then `continuation` tokens.
 
 Per action, over all prompts:
 - next-token top-1 agreement with BF16 at the first decoded position, and its mean KL divergence
