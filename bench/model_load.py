@@ -1,6 +1,7 @@
 """What a process start pays to get the embedded model ready, with and without the model cache.
 
-    python bench/model_load.py [--rounds 5] [--dtype bfloat16] [--json bench/results/model-load-cpu.json]
+    python bench/model_load.py [--rounds 5] [--dtype bfloat16] \
+        [--json bench/results/model-load-cpu.json]
 
 Each sample is a new Python process, as a service start is, that imports torch and rekv, loads
 the embedded model's weights (`load_weights`) and its tokenizer (`load_tokenizer`) and reports

@@ -5,19 +5,20 @@ is it near the best action from its second request on?
         [--rates 0.03,10] [--lengths 200,1500] [--json FILE] [--markdown FILE]
 
 For each of `--points` points, a link rate log-uniform in `--rates` (Gb/s) and a prompt length
-uniform in `--lengths`, both drawn from a seed that is itself random unless given (and recorded),
-so the points are not those of any committed sweep or test: fresh prefill and decode services
-(nothing learned yet; each pinned to its own core) start across an emulated link (two network
-namespaces joined by a veth pair shaped with `tc tbf`; as root, else loopback with paced sends),
-and a client in the decode namespace first sends `--planner-requests` requests with no forced
-action or schedule (the planner asked before anything else has run), then, per forced action of
-`CASES` under the default (streamed) schedule, BF16 and int8 at L/2 pipelined (the prefill in
-token chunks) and the baseline (full prefill, then every layer's BF16 KV), one warm-up and `--runs` timed requests. Every time is TTFT from arrival on the decode
-worker (`Summary.ttft_ms`). Per point: the first request against full BF16 transfer (the baseline
-and streamed); the first request's action timed warm against the baseline (when it is one of
-`CASES`: the choice without the first request's cold cost); the median of requests 2.. against
-the best forced median; and the actions chosen. Fresh services are told apart from warm ones by
-more than the choice: a first request runs code and allocations no request has run yet.
+uniform in `--lengths`, both drawn from a seed that is itself random unless given (and recorded), so
+the points are not those of any committed sweep or test: fresh prefill and decode services (nothing
+learned yet; each pinned to its own core) start across an emulated link (two network namespaces
+joined by a veth pair shaped with `tc tbf`; as root, else loopback with paced sends), and a client
+in the decode namespace first sends `--planner-requests` requests with no forced action or schedule
+(the planner asked before anything else has run), then, per forced action of `CASES` under the
+default (streamed) schedule, BF16 and int8 at L/2 pipelined (the prefill in token chunks) and the
+baseline (full prefill, then every layer's BF16 KV), one warm-up and `--runs` timed requests. Every
+time is TTFT from arrival on the decode worker (`Summary.ttft_ms`). Per point: the first request
+against full BF16 transfer (the baseline and streamed); the first request's action timed warm
+against the baseline (when it is one of `CASES`: the choice without the first request's cold cost);
+the median of requests 2.. against the best forced median; and the actions chosen. Fresh services
+are told apart from warm ones by more than the choice: a first request runs code and allocations no
+request has run yet.
 """
 
 from __future__ import annotations

@@ -31,14 +31,14 @@ or all its tokens. TTFT and handoff time come from the summary (the decode servi
 `ttft_ms` from Generate's arrival, `measured_handoff_ms`); `client_ms` is the whole call on the
 client. Throughput: completed requests (and generated tokens) per second of the phase's wall time.
 
-Defaults, chosen on a 2-core machine (bench/results/reliability-load.md has the figures):
-one torch thread per service: the two processes then hold one core each for their compute, the
-decode service still runs several requests' steps at once on its asyncio worker threads, and
-no OpenMP team waits on a core another one needs (two threads each gave a similar throughput,
-but 26 threads per process instead of 19, and a two-thread process slows down sharply when other
-jobs share the cores: the reference check took 243 s against 38 s). Prompts of 16-256 tokens and 4-8 new
-tokens put 1000 requests at about 14 minutes there: the prefill service, one prefill at a time,
-is the bottleneck, and 16-512 tokens ran at about half that rate.
+Defaults, chosen on a 2-core machine (bench/results/reliability-load.md has the figures): one torch
+thread per service: the two processes then hold one core each for their compute, the decode service
+still runs several requests' steps at once on its asyncio worker threads, and no OpenMP team waits
+on a core another one needs (two threads each gave a similar throughput, but 26 threads per process
+instead of 19, and a two-thread process slows down sharply when other jobs share the cores: the
+reference check took 243 s against 38 s). Prompts of 16-256 tokens and 4-8 new tokens put 1000
+requests at about 14 minutes there: the prefill service, one prefill at a time, is the bottleneck,
+and 16-512 tokens ran at about half that rate.
 """
 
 from __future__ import annotations

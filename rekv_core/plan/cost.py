@@ -40,15 +40,15 @@ and its wire time w = B_layer/W + m,
   it, where a chunk sent first has nothing before it to time from.)
 
 Pipelined (`Order.TOKENS` among `orders`, alone or where it predicts less than layer order; an
-interior cut, a codec that ranks no tokens): the prefill runs layers [0, c) one boundary chunk at a time, and each chunk's boundary
-rows, then its c prefix rows, leave as soon as it has passed the cut. With n_k the chunk's rows and
-shares f_k = n_k/S: the chunk is computed, and then encoded, on the prefill's one thread,
-P_k = P_{k−1} + f_k·c·(γ_p + α_b) (from P_w); its boundary rows are in at
+interior cut, a codec that ranks no tokens): the prefill runs layers [0, c) one boundary chunk at a
+time, and each chunk's boundary rows, then its c prefix rows, leave as soon as it has passed the
+cut. With n_k the chunk's rows and shares f_k = n_k/S: the chunk is computed, and then encoded, on
+the prefill's one thread, P_k = P_{k−1} + f_k·c·(γ_p + α_b) (from P_w); its boundary rows are in at
 A_k = max(P_k − f_k·c·α_b, link free) + n_k·(B_H/S/W + coding per row) + m, and its prefix rows
 leave after them: link free = max(A_k, P_k) + f_k·B_prefix/W + c·m. Its share of R starts at
-max(A_k, the previous chunk's end) (the first no earlier than D_w):
-T = lat + max(suffix end, link free + f_last·restore_b(c layers)) + J. The decode side's layers run
-on a chunk while the prefill computes the next, so two workers share one prompt's compute.
+max(A_k, the previous chunk's end) (the first no earlier than D_w): T = lat + max(suffix end, link
+free + f_last·restore_b(c layers)) + J. The decode side's layers run on a chunk while the prefill
+computes the next, so two workers share one prompt's compute.
 
 The planner ranks by T plus the wait the action puts on the other requests (`load_ms`). A busy
 pool already shows in T, through P_w and D_w. But the requests behind this one pass both pools in

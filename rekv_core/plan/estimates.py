@@ -4,9 +4,10 @@
 the last `window` (bytes, seconds) samples, so one disturbed sample does not move it and a real
 change of link does within half a window; samples under `min_bytes` say more about latency than rate
 and are skipped. Before its first sample it has no rate (`gbps` is None): whoever needs one then
-says which prior it takes (`LINK_PRIOR_GBPS`, the services' `link_gbps` setting, by default). `LayerCost` is the suffix cost of one layer as a function of prompt length,
-measured at a few lengths and interpolated (piecewise linear in S; beyond the last point it
-extrapolates along a quadratic through the origin, since attention grows with S²).
+says which prior it takes (`LINK_PRIOR_GBPS`, the services' `link_gbps` setting, by default).
+`LayerCost` is the suffix cost of one layer as a function of prompt length, measured at a few
+lengths and interpolated (piecewise linear in S; beyond the last point it extrapolates along a
+quadratic through the origin, since attention grows with S²).
 """
 
 from __future__ import annotations

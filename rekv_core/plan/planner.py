@@ -19,9 +19,9 @@ with what the planner expects of it, beside the same ranking.
 Cold, it does not trust what it has not measured:
 
 - while the link is unmeasured (`CostInputs.link_measured` false: the decode side has no link sample
-  and the rate in `inputs` is only a prior), it takes the action with the least worst-case regret (its
-  expected time over the best action's) across plausible link rates (`UNMEASURED_LINK_RANGE`, from
-  a thousandth of the prior to ten times it); among actions near that least regret, one whose
+  and the rate in `inputs` is only a prior), it takes the action with the least worst-case regret
+  (its expected time over the best action's) across plausible link rates (`UNMEASURED_LINK_RANGE`,
+  from a thousandth of the prior to ten times it); among actions near that least regret, one whose
   bytes land back-to-back before the decode side starts computing, enough to time the link
   (`samples_link`), so the next request is planned on a measured link. The regret is the model's
   (with the evidence's corrections), so it bounds the first request's loss only as well as the

@@ -5,17 +5,16 @@ or running: the wait a new request's prefill has ahead of it (`CostInputs.prefil
 `add(ms)` counts one in and returns a `Once` that takes it out again.
 
 `AssignedWork`: the decode-side compute of this prefill worker's handoffs in flight, for the offers
-that miss it. A decode worker's offer counts the compute committed to it by the handoffs whose plan has reached
-it (`DecodeOffer.backlog_ms`), and names them (`DecodeOffer.planned`). Requests that arrive
-together were all offered before any of them was planned: the second one's offer does not know
-that the first was just given thirty layers to recompute there. `AssignedWork.unseen(decode,
+that miss it. A decode worker's offer counts the compute committed to it by the handoffs whose plan
+has reached it (`DecodeOffer.backlog_ms`), and names them (`DecodeOffer.planned`). Requests that
+arrive together were all offered before any of them was planned: the second one's offer does not
+know that the first was just given thirty layers to recompute there. `AssignedWork.unseen(decode,
 planned)` is the decode-side compute of this worker's handoffs to that decode worker (by its
 data-plane address) that the offer did not count. `add(decode, transfer_id, ms)` records one
 decision's. An entry is dropped once an offer names it (the decode worker has seen its plan: it
 counts what is left of it, or it has ended there), or `grace_s` after `ended(transfer_id)` (the
-handoff has left this worker, so its plan, the first message, has reached the decode side; the
-grace covers offers made before that, should no offer name it).
-Thread-safe.
+handoff has left this worker, so its plan, the first message, has reached the decode side; the grace
+covers offers made before that, should no offer name it). Thread-safe.
 """
 
 from __future__ import annotations

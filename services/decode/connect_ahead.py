@@ -8,15 +8,15 @@ replica would wait for the connection (on the CPU bench, 250 ms of a 700 ms TTFT
 planner would choose blind until some handoff happened to queue on the wire.
 
 `ConnectAhead(receiver, learner)(peer)`, once `peer` accepts TCP connections, opens a probe receive
-on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, and gives the
-probe's link sample to `learner` (the `DecodeConnector`, whose calibration holds the link estimate). It says how it went:
-True (connected), False (the replica refused, or its probe failed: its first handoff connects as
-it would have anyway), None (not reachable yet, busy probing for another worker, or its probe
-did not leave in time: worth trying again; `PrefillPool` does, with backoff). Probes go one at a
-time (two at once would each see part of the link), and only while the link is unmeasured: a
-replica added later (DNS) only connects, so it never slows the handoffs in flight. Nothing here
-is needed for correctness: it moves the wait off the first request and gives the planner a
-measured link.
+on `receiver`, calls `Prefill.Connect` on `peer` with its id and a fresh key, and gives the probe's
+link sample to `learner` (the `DecodeConnector`, whose calibration holds the link estimate). It says
+how it went: True (connected), False (the replica refused, or its probe failed: its first handoff
+connects as it would have anyway), None (not reachable yet, busy probing for another worker, or its
+probe did not leave in time: worth trying again; `PrefillPool` does, with backoff). Probes go one at
+a time (two at once would each see part of the link), and only while the link is unmeasured: a
+replica added later (DNS) only connects, so it never slows the handoffs in flight. Nothing here is
+needed for correctness: it moves the wait off the first request and gives the planner a measured
+link.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ per point, and the Fig. 2-style plot.
 Every time is TTFT from Generate's arrival on the decode worker to its first token. A point's
 summary compares, each by its best case: (a) the baseline (full prefill, then every layer's BF16
 KV), (b) the seed's schedule (full prefill, then the overlapped handoff), (c) the streamed schedule
-with the boundary in one message, (d) streamed with the boundary in chunks (layer order), (d')
-the same pipelined (token order: the prefill runs in the boundary's chunks, each sent as it
-passes the cut), (e) the decode side's own prefill (token-only, streamed: the prefill service
-computes nothing; the colocated bound plus one RPC), also as the median ratio of the samples of
-the same round (`paired`: the client runs every case once per round); and the planner against the best forced case, joint int8 against full
-BF16 and against the best single mechanism; with newer codecs in the sweep, how each moved the
-best forced case (`codec_gains`).
+with the boundary in one message, (d) streamed with the boundary in chunks (layer order), (d') the
+same pipelined (token order: the prefill runs in the boundary's chunks, each sent as it passes the
+cut), (e) the decode side's own prefill (token-only, streamed: the prefill service computes nothing;
+the colocated bound plus one RPC), also as the median ratio of the samples of the same round
+(`paired`: the client runs every case once per round); and the planner against the best forced case,
+joint int8 against full BF16 and against the best single mechanism; with newer codecs in the sweep,
+how each moved the best forced case (`codec_gains`).
 """
 
 from __future__ import annotations

@@ -115,8 +115,9 @@ def test_every_action_is_exact_streamed_with_a_chunked_boundary(setting):
     link_gbps = 400.0 if model.device.type == "cuda" else None
     with InProcessLink(bandwidth_gbps=link_gbps) as link:
         for n, action in enumerate(_actions(model.shape.num_layers)):
-            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender, link.receiver,
-                              f"streamed-{n}", streamed=True, chunk_tokens=EXEC_BLOCK)
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender,
+                              link.receiver, f"streamed-{n}", streamed=True,
+                              chunk_tokens=EXEC_BLOCK)
             assert result.plan.streamed
             _check(model, ids, state, action, result)
         assert link.receiver.pending().idle
@@ -131,8 +132,9 @@ def test_every_interior_cut_is_exact_pipelined(setting):
     L = model.shape.num_layers
     with InProcessLink(bandwidth_gbps=link_gbps) as link:
         for n, action in enumerate(a for a in _actions(L) if 0 < a.cut < L):
-            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender, link.receiver,
-                              f"pipelined-{n}", chunk_tokens=EXEC_BLOCK, pipelined=True)
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, link.sender,
+                              link.receiver, f"pipelined-{n}", chunk_tokens=EXEC_BLOCK,
+                              pipelined=True)
             assert result.plan.pipelined
             _check(model, ids, state, action, result)
         assert link.receiver.pending().idle
@@ -148,7 +150,8 @@ def test_every_action_is_exact_over_ucx(setting):
     sender = UcxSender(engine, receiver.address)
     try:
         for n, action in enumerate(_actions(model.shape.num_layers)):
-            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, sender, receiver, f"ucx-{n}")
+            result = _handoff(model, ids, state, action, ReceiveMode.OVERLAP, sender, receiver,
+                              f"ucx-{n}")
             _check(model, ids, state, action, result)
     finally:
         sender.shutdown()

@@ -326,8 +326,9 @@ def test_a_model_that_fails_the_spectrum_probe_runs_spectrum_without_int4():
     with pytest.raises(ValueError, match="now gives 2 tiers, not 3; gate spectrum50 again"):
         older.merged(Policy("smollm2-135m", (1, 2048), {"int4h": 30},
                             meta={**failed.meta.to_json(), **needles}))
-    assert older.merged(Policy("smollm2-135m", (1, 2048), {"spectrum50": 24},
-                               meta={**failed.meta.to_json(), **needles})).max_cut["spectrum50"] == 24
+    newer = Policy("smollm2-135m", (1, 2048), {"spectrum50": 24},
+                   meta={**failed.meta.to_json(), **needles})
+    assert older.merged(newer).max_cut["spectrum50"] == 24
     assert deployed_codec("int8", failed.meta).name == "int8"
 
 

@@ -77,7 +77,8 @@ def test_layer_cost_interpolates_and_grows_beyond_the_profile():
 def test_per_message_cost_favours_fewer_messages():
     base = _inputs(10.0, gamma=2.0, S=256)
     costly = CostInputs(SHAPE, 256, 10.0, 2.0, codec_costs({"bf16": 0.0, "int8": 0.5},
-                                                           {"bf16": 0.01, "int8": 0.01}), 1.0, message_ms=3.0)
+                                                           {"bf16": 0.01, "int8": 0.01}), 1.0,
+                        message_ms=3.0)
     joint = Action("int8", 20, L)
     assert predict(joint, costly).x_ms == pytest.approx(predict(joint, base).x_ms + 20 * 3.0)
     assert predict(joint, costly).h_ms == pytest.approx(predict(joint, base).h_ms + 3.0)
