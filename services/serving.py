@@ -54,9 +54,6 @@ class Worker:
         metrics.watch_transfers(self.transfers.count)
         metrics.inflight_bytes.set_function(lambda: self.admission.bytes)
 
-    def elem_bytes(self) -> int:
-        return self.model.dtype.itemsize
-
     def bf16_bytes(self, prompt_len: int) -> int:
         """What full BF16 transfer of a prompt this long moves: the saving's reference."""
         return wire_bytes(Action.full_bf16(self.shape.num_layers), self.shape, prompt_len).total

@@ -4,7 +4,7 @@ Contract (who calls what, in which order; every method is thread-safe unless it 
 
 Decode side, `DecodeConnector` (offers, receives, learns), per request:
     offer(prompt_len, in_flight, queue)        -> DecodeOffer, sent to the prefill side
-    begin(request_id, prompt_len, max_new_tokens, time_remaining, transfer_id) -> Pending
+    begin(request_id, prompt_len, max_new_tokens, time_remaining, transfer_id) -> PendingHandoff
                                                   (event loop; opens the receive: call before
                                                   the prefill side may send)
     receive(pending)                           -> (HandoffResult, sharing)   blocking
@@ -33,10 +33,10 @@ embed them.
 
 from rekv_core.connector.calls import (BadRequest, Busy, DecodeOffer, HandoffCall,
                                        HandoffReply)
-from rekv_core.connector.decode import DecodeConnector, DecodeOptions, Learned, Pending
+from rekv_core.connector.decode import DecodeConnector, DecodeOptions, Learned, PendingHandoff
 from rekv_core.connector.prefill import PrefillConnector, PrefillOptions, SentHandoff
 from rekv_core.plan.planner import Decision  # what `PrefillConnector.decide` returns
 
 __all__ = ["BadRequest", "Busy", "Decision", "DecodeConnector", "DecodeOffer", "DecodeOptions",
-           "HandoffCall", "HandoffReply", "Learned", "Pending", "PrefillConnector",
+           "HandoffCall", "HandoffReply", "Learned", "PendingHandoff", "PrefillConnector",
            "PrefillOptions", "SentHandoff"]

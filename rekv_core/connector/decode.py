@@ -8,7 +8,7 @@ load (`DecodeLoad`, `SharingMeter`, `ReceiveOverlaps`). A request's handoff uses
 1. `offer(prompt_len, in_flight, queue)`: the `DecodeOffer` for the prefill side: this worker's
    costs (γ for the requests generating here plus one), its evidence, its link estimate (None
    until measured), and its load (the compute committed here by planned handoffs);
-2. `begin(request_id, prompt_len, max_new_tokens, time_remaining)`: a `Pending` handoff: its
+2. `begin(request_id, prompt_len, max_new_tokens, time_remaining)`: a `PendingHandoff` handoff: its
    `Transfer`, whose deadline is the call's less what a local recompute of the prompt would take
    (at least half the call's time is the handoff's), trusting the prefill side's prediction once
    the link is measured; a fresh key; the receive opened on the data plane, which starts taking
@@ -60,7 +60,7 @@ class DecodeOptions:
 
 
 @dataclass
-class Pending:
+class PendingHandoff:
     """One handoff between `begin` and `end`."""
 
     transfer: Transfer
@@ -122,7 +122,7 @@ class DecodeConnector:
         return per_layer_ms * self.shape.num_layers / 1e3
 
     def begin(self, request_id: str, prompt_len: int, max_new_tokens: int,
-              time_remaining: float | None, transfer_id: str) -> Pending:
+              time_remaining: float | None, transfer_id: str) -> PendingHandoff:
         """Event-loop thread. `transfer_id`: unique per handoff (the data plane's request id)."""
         deadline = None
         if time_remaining is not None:
@@ -132,10 +132,10 @@ class DecodeConnector:
                             trust_predictions=self.link_measured)
         receive = self.overlaps.begin(computing=self.load.computing() > 0)
         self.receiver.open(transfer_id)
-        return Pending(transfer, Sealing.fresh(self.options.encrypt), prompt_len,
+        return PendingHandoff(transfer, Sealing.fresh(self.options.encrypt), prompt_len,
                        max_new_tokens, self.load.work(transfer), receive)
 
-    def receive(self, pending: Pending) -> tuple[HandoffResult, float]:
+    def receive(self, pending: PendingHandoff) -> tuple[HandoffResult, float]:
         """The result, and the mean number of requests computing here (this one included) while
         its suffix ran (1.0 for transfer-only, which computes nothing here)."""
         called = time.perf_counter()
@@ -148,18 +148,18 @@ class DecodeConnector:
             return result, 1.0
         return result, self.sharing.average(called + t.h_s, called + t.suffix_end_s)
 
-    def abandon(self, pending: Pending, reason: str) -> None:
+    def abandon(self, pending: PendingHandoff, reason: str) -> None:
         """Give the handoff up: it fails, and its receive is aborted (which wakes its reader and
         drains whatever the prefill side still sends)."""
         pending.transfer.fail(reason)
         self.receiver.abort(pending.transfer.transfer_id)
 
-    def cancel(self, pending: Pending) -> None:
+    def cancel(self, pending: PendingHandoff) -> None:
         """The caller gave up (cancelled, or past its deadline): wake the receive and drain."""
         pending.transfer.cancel()
         self.receiver.abort(pending.transfer.transfer_id)
 
-    def end(self, pending: Pending) -> None:
+    def end(self, pending: PendingHandoff) -> None:
         """Event-loop thread."""
         self.overlaps.end(pending.receive)
 
@@ -171,7 +171,7 @@ class DecodeConnector:
             raise ValueError(f"the reply names {reply.action} sent {reply.delivery}, the plan "
                              f"on the data plane {plan.action} sent {plan.delivery}")
 
-    def learn(self, pending: Pending, result: HandoffResult, sharing: float,
+    def learn(self, pending: PendingHandoff, result: HandoffResult, sharing: float,
               reply: HandoffReply) -> Learned:
         if pending.receive.shared:
             result = replace(result, link_sample=None)

@@ -20,8 +20,7 @@ The codebook does not travel: every coded buffer carries its own in its header.
 
 A plan is checked when it is made: the codec is the action's, the model's layers are the action's,
 token order needs a streamed delivery in chunks, an interior cut and a codec that ranks no tokens
-(`Codec.importance_window` 0). A planner that would pipeline an action that cannot go in token
-order sends it in layer order instead (`Delivery.for_action`).
+(`Codec.importance_window` 0): `can_pipeline`, the rule the cost model applies as well.
 """
 
 from __future__ import annotations
@@ -80,13 +79,6 @@ class Delivery:
     @property
     def pipelined(self) -> bool:
         return self.order is Order.TOKENS
-
-    def for_action(self, action: Action, codec: Codec) -> Delivery:
-        """This delivery as `action` can go: token order only where it applies (`can_pipeline`),
-        else layer order."""
-        if self.pipelined and not can_pipeline(action, codec):
-            return Delivery(self.streamed, self.chunk_tokens, Order.LAYERS)
-        return self
 
     def __str__(self) -> str:
         how = "pipelined" if self.pipelined else "streamed" if self.streamed else "after_prefill"

@@ -70,6 +70,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rekv_core.handoff import Action, Order, WireBytes, wire_bytes
+from rekv_core.handoff.plan import can_pipeline
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.evidence import FREE, CodecCost
@@ -152,8 +153,7 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
 def pipelinable(action: Action, inputs: CostInputs) -> bool:
     """Whether `action` can go in token order under `inputs`' schedule."""
     return (inputs.streamed and inputs.chunk_tokens > 0
-            and 0 < action.cut < inputs.shape.num_layers
-            and action.registered_codec.importance_window == 0)
+            and can_pipeline(action, action.registered_codec))
 
 
 def _alpha_ms(action: Action, inputs: CostInputs) -> tuple[float, float]:

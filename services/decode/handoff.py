@@ -33,7 +33,7 @@ import grpc
 import torch
 
 from rekv_core.codecs import CorruptPayloadError
-from rekv_core.connector import HandoffCall, HandoffReply, Pending
+from rekv_core.connector import HandoffCall, HandoffReply, PendingHandoff
 from rekv_core.handoff import Action, HandoffResult, WireBytes
 from rekv_core.handoff.seal import SealError
 from rekv_core.handoff.transfer import TransferCancelled, allowed_s
@@ -118,7 +118,7 @@ class Handoffs:
             connector.end(pending)
         return self._learn(pending, result, reply, sharing)
 
-    async def _negotiate(self, call: GenerateCall, ids: list[int], pending: Pending,
+    async def _negotiate(self, call: GenerateCall, ids: list[int], pending: PendingHandoff,
                          in_flight: int, queue: int, receiving: asyncio.Future):
         offer = self.connector.offer(len(ids), in_flight, queue)
         transfer = pending.transfer
@@ -172,7 +172,7 @@ class Handoffs:
         self.prefill.report(peer, reply.queue_depth)
         return reply
 
-    def _learn(self, pending: Pending, result: HandoffResult, reply: HandoffReply | None,
+    def _learn(self, pending: PendingHandoff, result: HandoffResult, reply: HandoffReply | None,
                sharing: float) -> Handed:
         if reply is None:  # a verified cache whose reply never came: nothing to learn from
             log.warning("transfer complete but the prefill reply is late; not calibrating")

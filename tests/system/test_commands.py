@@ -2,7 +2,6 @@
 runs them (a real subprocess), the RPC generator's check and a fresh interpreter. The in-process
 parts of what they check are under tests/unit (bench/, plan/, services/, transport/)."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,7 +12,7 @@ import pytest
 from rekv_cli.bench.ttft import SCHEDULES
 from rekv_core.model import get_preset
 from rekv_core.plan.policy import Policy
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "executor.py"
 
@@ -30,10 +29,7 @@ def _policy(max_cut):
 @pytest.fixture(scope="module")
 def bench():
     """bench/executor.py, loaded as a module: its hand-checked FLOP count."""
-    spec = importlib.util.spec_from_file_location("bench_executor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_executor")
 
 
 def test_generated_modules_match_the_proto():

@@ -1,7 +1,6 @@
 """bench/codecs.py and bench/codec_real.py at tiny sizes: the interleaved timing, the JSON the
 script writes, and the real-data section on a small synthetic model."""
 
-import importlib.util
 import json
 import math
 import types
@@ -12,7 +11,7 @@ import torch
 from rekv_core.codecs import codec_names
 from rekv_core.model import Model, ModelShape
 from rekv_core.model.weights import synthetic_weights
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "codecs.py"
 SHAPE = ModelShape(name="tiny-bench", family="qwen2", num_layers=3, hidden_size=128, num_heads=2,
@@ -24,10 +23,7 @@ OLD_ROW_FIELDS = {"model", "prompt_len", "codec", "op", "input_bytes", "payload_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_codecs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_codecs")
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,13 @@
 """bench/executor.py: its FLOP and byte counts by hand. A dry run's JSON on the CPU:
 tests/system/test_commands.py."""
 
-import importlib.util
 
 import pytest
 import torch
 
 from rekv_core.model import Model, ModelShape
 from rekv_core.model.weights import synthetic_weights
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, load_script
 
 SCRIPT = ROOT / "bench" / "executor.py"
 TINY = ModelShape(name="tiny", family="qwen2", num_layers=2, hidden_size=8, num_heads=2,
@@ -18,10 +17,7 @@ TINY = ModelShape(name="tiny", family="qwen2", num_layers=2, hidden_size=8, num_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_executor", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "bench_executor")
 
 
 def test_prefill_flops_match_a_hand_count(bench):

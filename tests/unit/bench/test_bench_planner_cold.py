@@ -1,15 +1,11 @@
 """bench/planner_cold.py's summary of one point: its ratios come from the right samples."""
 
-import importlib.util
 
 import pytest
 
-from tests.support.paths import ROOT
+from tests.support.paths import ROOT, load_script
 
-SPEC = importlib.util.spec_from_file_location(
-    "planner_cold", ROOT / "bench" / "planner_cold.py")
-planner_cold = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(planner_cold)
+planner_cold = load_script(ROOT / "bench" / "planner_cold.py", "planner_cold")
 
 
 def _forced(case, samples):
