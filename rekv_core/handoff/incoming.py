@@ -40,7 +40,7 @@ class Inbound:
         self.arrivals: list[Arrival] = []
 
     def next(self) -> Message:
-        key = self.sealing.key
+        key = self.sealing.message_key
         message = open_message(key, self.transport.recv(self.request_id, self.transfer.wait_s()))
         if self.sealing.encrypted:
             message = decrypt(key, message)

@@ -16,8 +16,10 @@ is rejected and never written into a cache. `check_checksums` then verifies the 
 message whose header carries its checksums (the codec verifies an encoded layer's).
 
 A handoff without a key (`key=None` on both sides: benchmarks, tests of the schedule) is
-unsealed; checksums still travel and are checked. `Sealing(key, encrypted)` is how one handoff is
-protected, as both sides take it.
+unsealed; checksums still travel and are checked. `Sealing(key, encrypted, binding)` is how one
+handoff is protected, as both sides take it: with a `binding` (the model's fingerprint), every MAC
+and cipher key is derived from the handoff key and the binding (`Sealing.message_key`), so a
+message sealed for another model does not verify.
 
 Encryption, for links that others can read (optional; the MAC alone hides nothing): `encrypt`
 replaces every buffer of a message by its AES-256-GCM ciphertext with the 16-byte tag appended,
@@ -61,6 +63,7 @@ TAG_BYTES = 16
 MAX_BUFFER_BYTES = 2**31 - 1 - TAG_BYTES  # cryptography's AEADs take at most 2**31 - 1 bytes
 _DOMAIN = b"rekv-seal-1"
 _ENCRYPT_DOMAIN = b"rekv-encrypt-1"
+_BIND_DOMAIN = b"rekv-bind-1"
 
 
 class SealError(TransportError):
@@ -79,10 +82,12 @@ def check_key(key: bytes | None) -> None:
 @dataclass(frozen=True)
 class Sealing:
     """How one handoff's messages are protected: sealed under `key` (None: unsealed), and with
-    `encrypted` every buffer encrypted under it too (on the host)."""
+    `encrypted` every buffer encrypted under it too (on the host); `binding` (bytes both sides
+    must agree on, e.g. the model's fingerprint) goes into every message's key."""
 
     key: bytes | None = None
     encrypted: bool = False
+    binding: bytes = b""
 
     def __post_init__(self) -> None:
         check_key(self.key)
@@ -93,6 +98,14 @@ class Sealing:
     def fresh(cls, encrypted: bool = False) -> Sealing:
         """A new random key (the decode side draws one per handoff)."""
         return cls(new_key(), encrypted)
+
+    @property
+    def message_key(self) -> bytes | None:
+        """The key messages are sealed (and encrypted) under: `key` itself without a binding,
+        else HMAC-SHA256(key, "rekv-bind-1" | binding)."""
+        if self.key is None or not self.binding:
+            return self.key
+        return hmac.new(self.key, _BIND_DOMAIN + self.binding, hashlib.sha256).digest()
 
 
 def _framed(*parts: bytes) -> bytes:

@@ -120,7 +120,7 @@ class _Posting:
         buffers = buffers or {}
         header = with_checksums(buffers) if header is None else header
         message = Message(self.request_id, self.seq, name, header, buffers)
-        key = self.sealing.key
+        key = self.sealing.message_key
         if self.sealing.encrypted:  # on the host: a copy from the device waits for its producer
             message.buffers = {n: b.cpu() for n, b in buffers.items()}
             message = encrypt(key, message)

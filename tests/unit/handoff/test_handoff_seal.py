@@ -126,3 +126,21 @@ def test_a_flipped_boundary_byte_is_caught(smollm_bf16, key):
 def test_a_key_of_the_wrong_size_is_named(smollm_bf16):
     with pytest.raises(ValueError, match="handoff_key"):
         _run(smollm_bf16, Action.full_bf16(smollm_bf16.shape.num_layers), b"short", b"short")
+
+
+def test_a_message_sealed_for_another_binding_does_not_verify():
+    """The binding (the model's fingerprint) goes into every message key: the same handoff key
+    with another binding is another key, and no binding keeps the key as it is."""
+    from rekv_core.handoff.seal import open_message, seal
+
+    key = new_key()
+    assert Sealing(key).message_key == key
+    mine, theirs = Sealing(key, binding=b"model-a"), Sealing(key, binding=b"model-b")
+    assert mine.message_key not in (key, theirs.message_key)
+
+    def message():
+        return Message("r", 0, "plan", b"{}", {"x": torch.arange(8, dtype=torch.uint8)})
+
+    assert open_message(mine.message_key, seal(mine.message_key, message())).header == b"{}"
+    with pytest.raises(SealError, match="MAC"):
+        open_message(theirs.message_key, seal(mine.message_key, message()))

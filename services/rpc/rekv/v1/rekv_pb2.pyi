@@ -1,4 +1,5 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -6,8 +7,17 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Quality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    QUALITY_UNSPECIFIED: _ClassVar[Quality]
+    QUALITY_LOSSLESS: _ClassVar[Quality]
+    QUALITY_GATED: _ClassVar[Quality]
+QUALITY_UNSPECIFIED: Quality
+QUALITY_LOSSLESS: Quality
+QUALITY_GATED: Quality
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "max_new_tokens", "sampling", "forced_action", "stop_at_eos", "forced_schedule")
+    __slots__ = ("request_id", "token_ids", "text", "max_new_tokens", "sampling", "forced_action", "stop_at_eos", "forced_schedule", "quality")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +26,7 @@ class GenerateRequest(_message.Message):
     FORCED_ACTION_FIELD_NUMBER: _ClassVar[int]
     STOP_AT_EOS_FIELD_NUMBER: _ClassVar[int]
     FORCED_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: TokenIds
     text: str
@@ -24,7 +35,8 @@ class GenerateRequest(_message.Message):
     forced_action: Action
     stop_at_eos: bool
     forced_schedule: Schedule
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
+    quality: Quality
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., text: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., stop_at_eos: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ..., quality: _Optional[_Union[Quality, str]] = ...) -> None: ...
 
 class Schedule(_message.Message):
     __slots__ = ("streamed", "boundary_chunk_tokens", "pipelined")
@@ -75,7 +87,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., summary: _Optional[_Union[Summary, _Mapping]] = ...) -> None: ...
 
 class Summary(_message.Message):
-    __slots__ = ("request_id", "prompt_tokens", "generated_tokens", "finish_reason", "action", "action_kind", "bytes", "predicted_handoff_ms", "measured_handoff_ms", "ttft_ms", "fallback", "fallback_reason", "timings", "request_ms", "schedule")
+    __slots__ = ("request_id", "prompt_tokens", "generated_tokens", "finish_reason", "action", "action_kind", "bytes", "predicted_handoff_ms", "measured_handoff_ms", "ttft_ms", "fallback", "fallback_reason", "timings", "request_ms", "schedule", "quality", "fallback_scope", "recomputed_layers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +103,9 @@ class Summary(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_MS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_SCOPE_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_LAYERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_tokens: int
     generated_tokens: int
@@ -106,7 +121,10 @@ class Summary(_message.Message):
     timings: HandoffTimings
     request_ms: float
     schedule: Schedule
-    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., predicted_handoff_ms: _Optional[float] = ..., measured_handoff_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[HandoffTimings, _Mapping]] = ..., request_ms: _Optional[float] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
+    quality: Quality
+    fallback_scope: str
+    recomputed_layers: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[str] = ..., action: _Optional[_Union[Action, _Mapping]] = ..., action_kind: _Optional[str] = ..., bytes: _Optional[_Union[WireBytes, _Mapping]] = ..., predicted_handoff_ms: _Optional[float] = ..., measured_handoff_ms: _Optional[float] = ..., ttft_ms: _Optional[float] = ..., fallback: _Optional[bool] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[HandoffTimings, _Mapping]] = ..., request_ms: _Optional[float] = ..., schedule: _Optional[_Union[Schedule, _Mapping]] = ..., quality: _Optional[_Union[Quality, str]] = ..., fallback_scope: _Optional[str] = ..., recomputed_layers: _Optional[int] = ...) -> None: ...
 
 class HandoffTimings(_message.Message):
     __slots__ = ("prefill_ms", "q_ms", "h_ms", "x_ms", "r_ms", "j_ms")
@@ -139,7 +157,7 @@ class WireBytes(_message.Message):
     def __init__(self, boundary: _Optional[int] = ..., prefix: _Optional[int] = ..., scales: _Optional[int] = ..., tokens: _Optional[int] = ..., head: _Optional[int] = ...) -> None: ...
 
 class HandoffRequest(_message.Message):
-    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key", "encrypt_data_plane", "forced_schedule")
+    __slots__ = ("request_id", "transfer_id", "token_ids", "offer", "forced_action", "handoff_key", "encrypt_data_plane", "forced_schedule", "quality")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +166,7 @@ class HandoffRequest(_message.Message):
     HANDOFF_KEY_FIELD_NUMBER: _ClassVar[int]
     ENCRYPT_DATA_PLANE_FIELD_NUMBER: _ClassVar[int]
     FORCED_SCHEDULE_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transfer_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -156,7 +175,8 @@ class HandoffRequest(_message.Message):
     handoff_key: bytes
     encrypt_data_plane: bool
     forced_schedule: Schedule
-    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ...) -> None: ...
+    quality: Quality
+    def __init__(self, request_id: _Optional[str] = ..., transfer_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., offer: _Optional[_Union[DecodeOffer, _Mapping]] = ..., forced_action: _Optional[_Union[Action, _Mapping]] = ..., handoff_key: _Optional[bytes] = ..., encrypt_data_plane: _Optional[bool] = ..., forced_schedule: _Optional[_Union[Schedule, _Mapping]] = ..., quality: _Optional[_Union[Quality, str]] = ...) -> None: ...
 
 class ConnectRequest(_message.Message):
     __slots__ = ("ucx_address", "probe_id", "probe_key")
@@ -181,7 +201,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, connected_now: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., probe_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale", "accepts_pipelined")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale", "accepts_pipelined", "model_fingerprint")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +236,7 @@ class DecodeOffer(_message.Message):
     PLANNED_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_SCALE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_PIPELINED_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -236,7 +257,8 @@ class DecodeOffer(_message.Message):
     planned_transfers: _containers.RepeatedScalarFieldContainer[str]
     suffix_scale: float
     accepts_pipelined: bool
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ...) -> None: ...
+    model_fingerprint: str
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action", "pipelined")
