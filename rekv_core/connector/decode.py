@@ -20,9 +20,11 @@ load (`DecodeLoad`, `SharingMeter`, `ReceiveOverlaps`). A request's handoff uses
    from (a receive that another overlapped gives no link sample: its arrivals time both, or the
    machine), and the link sample in Gb/s, if any;
 6. `end(pending)` always, once the handoff is over (event-loop thread).
-A failed handoff is given up with `abandon(pending, reason)`, and the prompt recomputed here by
-`recompute(ids, capacity)`, counted as this worker's load while it runs; a caller that gives up
-`cancel`s it. `observe_probe(sample)`
+A failed handoff is given up with `abandon(pending, reason)`, and the prompt recovered here by
+`recover(ids, capacity, salvage)`, counted as this worker's load while it runs: with the
+`Salvage` of a handoff that lost only prefix layers (`receive` raised `PartialHandoff`), layers
+0..m alone are recomputed and the verified ones kept (`partial`), else the whole prompt
+(`recompute`, `full`; `handoff.recovery`); a caller that gives up `cancel`s it. `observe_probe(sample)`
 takes a link probe's sample; `memory(prompt_len, max_new_tokens)` is what one request holds here,
 for admission control. Thread-safe, except where an event-loop thread is named.
 """
@@ -37,6 +39,7 @@ import torch
 from rekv_core.connector.calls import DecodeOffer, HandoffReply
 from rekv_core.handoff import (HandoffPlan, HandoffResult, Receiving, Sealing,
                                receive_handoff)
+from rekv_core.handoff.recovery import FULL, Recovery, Salvage, recompute_lost, recovery
 from rekv_core.handoff.transfer import Transfer, TransferBook
 from rekv_core.model import KVCache, Model, prefill
 from rekv_core.plan.calibration import DecodeCalibration
@@ -69,6 +72,15 @@ class PendingHandoff:
     max_new_tokens: int
     work: DecodeWork
     receive: Receive
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """A failed handoff's prompt, restored here: its cache, first logits, and what it took."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    recovery: Recovery
 
 
 @dataclass(frozen=True)
@@ -142,7 +154,7 @@ class DecodeConnector:
         result = receive_handoff(self.model, self.receiver, pending.transfer, pending.sealing,
                                  Receiving(prompt_len=pending.prompt_len,
                                            extra_capacity=pending.max_new_tokens,
-                                           work=pending.work))
+                                           work=pending.work, keep_verified=True))
         t = result.timings
         if t.suffix_end_s <= 0.0:
             return result, 1.0
@@ -191,6 +203,18 @@ class DecodeConnector:
         with self.load.recomputing(len(ids)):
             out = prefill(self.model, ids, boundaries=())
         return KVCache.from_layers(out.keys, out.values, capacity), out.logits
+
+    def recover(self, ids: list[int], capacity: int, salvage: Salvage | None) -> Recovered:
+        """After a failed handoff: layers 0..m recomputed over the `salvage` (partial), or the
+        whole prompt (full) where there is none or it cannot be used."""
+        if salvage is not None and salvage.cache.capacity != capacity:
+            salvage = None
+        decided = recovery(salvage, ids, self.shape.num_layers)
+        if decided.scope == FULL:
+            return Recovered(*self.recompute(ids, capacity), decided)
+        with self.load.recomputing(len(ids), decided.layers):
+            cache = recompute_lost(self.model, ids, salvage)
+        return Recovered(cache, salvage.logits, decided)
 
     def memory(self, prompt_len: int, max_new_tokens: int) -> int:
         """Its cache, the boundary, the messages read ahead."""

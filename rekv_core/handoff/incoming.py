@@ -9,7 +9,10 @@ the prefix layers as they are computed, then the boundary; a pipelined one, `row
 prefix layer in those row ranges, `layer.{i}.{k}`, each layer's in chunk order, interleaved with the
 boundary's chunks). Any
 other message, a second copy, or one out of its kind's order is a `TransportError`. `run()` never
-raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it.
+raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it. With
+`keep_verified`, a prefix layer whose message verified (its name and place) but whose bytes did
+not (checksums, codec layout, shape) is lost instead (`losses`) and the reading goes on;
+`verified()` names the prefix layers whose every message was restored (`recovery`).
 """
 
 from __future__ import annotations
@@ -67,12 +70,16 @@ def _on_device(buffers: dict[str, torch.Tensor], device: torch.device) -> dict[s
 
 class Incoming:
     def __init__(self, model: Model, inbound: Inbound, plan: HandoffPlan, cache: KVCache,
-                 started: float):
+                 started: float, keep_verified: bool = False):
         self.model, self.inbound, self.action, self.cache = model, inbound, plan.action, cache
         self.codec = plan.codec
         self.kv_shape = plan.kv_shape
         self.num_chunks = len(plan.boundary_chunks)
         self.row_chunks = plan.prefix_row_chunks
+        self.keep_verified = keep_verified
+        self.losses: dict[int, BaseException] = {}  # prefix layer -> why its bytes were refused
+        self._restored = [0] * self.action.cut  # per prefix layer, its messages restored
+        self.chunks_in = 0  # boundary chunks handed to the suffix
         self.bytes = WireBytes()
         self.error: BaseException | None = None
         self.done = started  # the prefix restored
@@ -119,12 +126,12 @@ class Incoming:
         for _ in range(c + self.num_chunks + (c == L)):
             message = self.inbound.next()
             if layer < c and message.name == layer_name(layer):
-                self._restore(layer, message)
+                self._restore_or_lose(layer, message)
                 layer += 1
                 if layer == c:
                     self.done = time.perf_counter()
             elif chunk < self.num_chunks and message.name == boundary_name(chunk):
-                self._chunks.put(message)
+                self._hand_over(message)
                 chunk += 1
             elif message.name == HEAD and c == L and layer == c:
                 self.head = message
@@ -143,19 +150,43 @@ class Incoming:
             rows = parse_layer_rows(message.name)
             if rows is not None and rows[0] < c and rows[1] == next_rows[rows[0]] < len(chunks):
                 index, k = rows
-                self._restore(index, message, *chunks[k])
+                self._restore_or_lose(index, message, *chunks[k])
                 next_rows[index] += 1
                 restored += 1
                 if restored == c * len(chunks):
                     self.done = time.perf_counter()
             elif chunk < self.num_chunks and message.name == boundary_name(chunk):
-                self._chunks.put(message)
+                self._hand_over(message)
                 chunk += 1
             else:
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
                                      f"{message.name!r} (after {restored} of {c * len(chunks)} "
                                      f"prefix chunks and {chunk} of {self.num_chunks} boundary "
                                      f"chunks)")
+
+    def _hand_over(self, message: Message) -> None:
+        self._chunks.put(message)
+        self.chunks_in += 1
+
+    @property
+    def boundary_complete(self) -> bool:
+        return self.chunks_in == self.num_chunks
+
+    def verified(self) -> frozenset[int]:
+        """The prefix layers whose every message was restored."""
+        per_layer = 1 if self.row_chunks is None else len(self.row_chunks)
+        return frozenset(i for i, n in enumerate(self._restored)
+                         if n == per_layer and i not in self.losses)
+
+    def _restore_or_lose(self, index: int, message: Message, *rows: int) -> None:
+        try:
+            self._restore(index, message, *rows)
+        except (TransportError, ValueError) as exc:  # SealError, CorruptPayloadError among them
+            if not self.keep_verified:
+                raise
+            self.losses.setdefault(index, exc)
+            return
+        self._restored[index] += 1
 
     def _restore(self, index: int, message: Message, s0: int = 0, s1: int | None = None) -> None:
         """Decode `message` into rows [s0, s1) of layer `index` (default: all of them)."""

@@ -24,7 +24,11 @@ compute and when it computes (`ComputeObserver`: the decode side's load book cou
 Every message is opened with the handoff's key and its bytes checked against their checksums before
 anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only
 computes the first logits from the `head` message. Any transport or payload error, or a timeout,
-raises; a partial cache is never returned. The result carries the timing breakdown
+raises; a partial cache is never returned. With `Receiving.keep_verified`, a failure that cost only
+prefix layers (the boundary whole and the suffix run, or for transfer-only the head verified)
+raises `recovery.PartialHandoff` instead, whose `Salvage` keeps every verified layer, so that the
+caller recomputes only layers 0..m (`recovery`); the reading then goes on past a prefix layer
+whose bytes fail their checks, to keep the layers after it. The result carries the timing breakdown
 (`HandoffTimings`), the bytes received by kind, and `link_sample`: (bytes, seconds) of the link from
 the messages that landed before this worker began computing (`transport.arrivals`): before the
 suffix or the first decode that computes, whichever came first (restoring a BF16 layer is a copy and
@@ -47,6 +51,7 @@ from rekv_core.handoff.action import Action, WireBytes
 from rekv_core.handoff.boundary import decode_chunk
 from rekv_core.handoff.incoming import Inbound, Incoming
 from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.recovery import PartialHandoff, Salvage
 from rekv_core.handoff.seal import Sealing, check_checksums
 from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
 from rekv_core.handoff.wire import PLAN, TOKENS
@@ -76,12 +81,14 @@ class Receiving:
     """The receiving side's own choices for one handoff. `prompt_len`, when known, lets the cache
     be allocated before the plan arrives (while the sender prefills), not while the first
     messages land; the plan must then agree with it. `extra_capacity`: cache rows beyond the
-    prompt (the tokens to generate)."""
+    prompt (the tokens to generate). `keep_verified`: a failure that lost only prefix layers
+    raises `PartialHandoff` with what verified (module doc)."""
 
     mode: ReceiveMode = ReceiveMode.OVERLAP
     prompt_len: int | None = None
     extra_capacity: int = 0
     work: ComputeObserver | None = None
+    keep_verified: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, ReceiveMode):
@@ -172,7 +179,7 @@ def _receive(model: Model, inbound: Inbound, receiving: Receiving, start: float,
                              f"{cache.capacity - extra}")
     if plan.action.cut == 0:
         return _recompute_prompt(model, inbound, plan, cache, start, work)
-    return _restore_and_recompute(model, inbound, receiving.mode, plan, cache, start, work)
+    return _restore_and_recompute(model, inbound, receiving, plan, cache, start, work)
 
 
 def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: KVCache,
@@ -250,14 +257,14 @@ def _join(worker: threading.Thread, inbound: Inbound) -> None:
         worker.join()
 
 
-def _restore_and_recompute(model: Model, inbound: Inbound, mode: ReceiveMode,
+def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
                            plan: HandoffPlan, cache: KVCache, start: float,
                            work: ComputeObserver) -> HandoffResult:
     """A cut c ≥ 1: the prefix restored by the reading thread beside the suffix, which runs on
     this thread one boundary chunk at a time (overlap), or after the whole prefix (sequential)."""
-    action, S = plan.action, plan.seq_len
+    action, S, mode = plan.action, plan.seq_len, receiving.mode
     hidden = model.shape.hidden_size
-    incoming = Incoming(model, inbound, plan, cache, start)
+    incoming = Incoming(model, inbound, plan, cache, start, receiving.keep_verified)
     suffix = None
     if not action.sends_boundary:  # transfer-only: nothing to recompute
         inbound.transfer.advance(TransferState.PREFIX)
@@ -274,10 +281,10 @@ def _restore_and_recompute(model: Model, inbound: Inbound, mode: ReceiveMode,
             _join(worker, inbound)
     else:
         incoming.run()
-        suffix = (_run_suffix(model, plan, incoming, cache, work) if incoming.error is None
-                  else None)
-    if incoming.error is not None:
-        raise incoming.error
+        whole = incoming.error is None or (receiving.keep_verified and incoming.boundary_complete)
+        suffix = _run_suffix(model, plan, incoming, cache, work) if whole else None
+    if incoming.error is not None or incoming.losses:
+        _raise_what_is_lost(model, plan, incoming, cache, suffix)
     inbound.transfer.advance(TransferState.JOINING)
 
     received = WireBytes(boundary=suffix.wire_bytes if suffix else 0)
@@ -299,3 +306,22 @@ def _restore_and_recompute(model: Model, inbound: Inbound, mode: ReceiveMode,
                              suffix_end_s=suffix.ended - start if suffix else 0.0)
     return HandoffResult(plan, cache, logits, timings, received + incoming.bytes,
                          inbound.link_sample(before=computing))
+
+
+def _raise_what_is_lost(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCache,
+                        suffix: _Suffix | None) -> None:
+    """The reading failed or lost layers: `PartialHandoff` when only prefix layers are lost and
+    the first logits stand (from the suffix, or the verified head), else the failure itself."""
+    cause = incoming.error or next(iter(incoming.losses.values()))
+    verified = incoming.verified()
+    lost_only_prefix = incoming.keep_verified and len(verified) < plan.action.cut
+    if lost_only_prefix and suffix is not None:
+        logits = suffix.logits
+    elif lost_only_prefix and not plan.action.sends_boundary and incoming.head is not None:
+        head = decode_chunk(incoming.head, (model.shape.hidden_size,), "bf16")
+        logits = final_logits(model, head.to(model.device, model.dtype))
+    else:
+        raise cause
+    cache.length = plan.seq_len
+    incoming.join_compute_stream()
+    raise PartialHandoff(Salvage(plan, cache, logits, verified), cause) from cause

@@ -3,8 +3,9 @@
 `DecodeLoad(transfers)` keeps the book a decode worker offers from, beside its live transfers
 (`TransferBook`):
 
-- `generating()` and `recomputing(prompt_len)`: context managers around a request's decode loop and
-  around a local recompute of a prompt (a failed handoff's fallback);
+- `generating()` and `recomputing(prompt_len, layers)`: context managers around a request's decode
+  loop and around a local recompute of a prompt's first `layers` layers (all by default: a failed
+  handoff's fallback, partial or full);
 - `work(transfer)`: a `DecodeWork` for one handoff, the receiver's `ComputeObserver`: it learns
   from the plan how many layers of how many tokens this side computes, and times the compute (a
   suffix run chunk by chunk waits for each chunk in between: only the time it computed counts);
@@ -82,7 +83,8 @@ class DecodeLoad:
     def __init__(self, transfers: TransferBook):
         self.transfers = transfers
         self._generating = 0
-        self._recomputes: dict[int, tuple[float, int]] = {}  # start (monotonic), prompt length
+        # start (monotonic), prompt length, layers (None: all)
+        self._recomputes: dict[int, tuple[float, int, int | None]] = {}
         self._works: dict[int, DecodeWork] = {}
         self._ids = itertools.count()
         self._lock = threading.Lock()
@@ -98,10 +100,10 @@ class DecodeLoad:
                 self._generating -= 1
 
     @contextlib.contextmanager
-    def recomputing(self, prompt_len: int) -> Iterator[None]:
+    def recomputing(self, prompt_len: int, layers: int | None = None) -> Iterator[None]:
         key = next(self._ids)
         with self._lock:
-            self._recomputes[key] = (time.monotonic(), prompt_len)
+            self._recomputes[key] = (time.monotonic(), prompt_len, layers)
         try:
             yield
         finally:
@@ -139,8 +141,8 @@ class DecodeLoad:
             works = [w for w in self._works.values() if w.layers]
         sharing = max(1, self.handoffs_computing() + len(recomputes))
         total, planned = 0.0, []
-        for began, prompt_len in recomputes:
-            ms = gamma(prompt_len, sharers) * num_layers
+        for began, prompt_len, layers in recomputes:
+            ms = gamma(prompt_len, sharers) * (num_layers if layers is None else layers)
             total += max(0.0, ms - (now - began) * 1e3 / sharing)
         for work in works:
             ms = work.layers * gamma(work.prompt_len, sharers)

@@ -38,10 +38,12 @@ def planned(model, ids, action, source, chunk_tokens=0, codec=None, predicted_ms
 
 
 def run_handoff(model, ids, action, source, chunk_tokens=0, receiving=Receiving(), transfer=None,
-                hooks=None, fault=None, key=None, encrypted=False, receiver_key=None):
+                hooks=None, fault=None, key=None, encrypted=False, receiver_key=None,
+                receive_transfer=None):
     """(the receiver's result, the sender's errors); the link must end with nothing held.
     `key` seals (and with `encrypted` encrypts) the handoff; the receiver opens it with
-    `receiver_key` (default: the same key)."""
+    `receiver_key` (default: the same key), its wait limits in `receive_transfer` (default: a
+    stall limit of 30 s)."""
     errors = []
     plan, source = planned(model, ids, action, source, chunk_tokens)
     with InProcessLink(fault=fault) as link:
@@ -61,7 +63,8 @@ def run_handoff(model, ids, action, source, chunk_tokens=0, receiving=Receiving(
         sender = threading.Thread(target=send)
         sender.start()
         try:
-            result = receive_handoff(model, link.receiver, Transfer("r", stall_s=30),
+            result = receive_handoff(model, link.receiver,
+                                     receive_transfer or Transfer("r", stall_s=30),
                                      Sealing(key if receiver_key is None else receiver_key,
                                              encrypted), receiving)
         finally:
