@@ -61,6 +61,8 @@ class HandoffReport:
     r_ms: float = 0.0
     j_ms: float = 0.0
     fallback_reason: str = ""  # set when the handoff failed and the prompt was recomputed here
+    fallback_scope: str = ""  # with a fallback: "partial" (layers 0..m) or "full"
+    recomputed_layers: int = 0  # the layers the fallback recomputed
     delivery: Delivery | None = None  # how the handoff was sent (None: no handoff)
     send_ms: float = 0.0  # the prefill side's first message posted to last byte gone
     prefill_link_gbps: float = 0.0  # the link rate the prefill side planned with (0: no reply)

@@ -58,6 +58,13 @@ class ServiceMetrics:
                                 registry=r)
         self.fallbacks = Counter("rekv_fallbacks", "Handoffs that fell back to recomputing the "
                                  "prompt from its token ids", ["reason"], registry=r)
+        self.fallback_recompute = Histogram(
+            "rekv_fallback_recompute_seconds", "A fallback's recompute on the decode worker, by "
+            "scope: partial (the lost layers 0..m) or full (the whole prompt)", ["scope"],
+            buckets=BUCKETS, registry=r)
+        self.fallback_layers = Counter(
+            "rekv_fallback_recomputed_layers", "Layers the fallbacks recomputed, by scope",
+            ["scope"], registry=r)
         self.in_flight = Gauge("rekv_handoffs_in_flight", "Handoffs now in progress", registry=r)
         self.transfers = Gauge("rekv_transfers", "Live transfers by state (TransferState)",
                                ["state"], registry=r)
@@ -82,6 +89,11 @@ class ServiceMetrics:
             if state not in (TransferState.DONE, TransferState.FAILED):
                 self.transfers.labels(state.name.lower()).set_function(
                     lambda state=state: count(state))
+
+    def record_fallback(self, scope: str, layers: int, seconds: float) -> None:
+        """A failed handoff's recompute here: `scope` partial or full, `layers` recomputed."""
+        self.fallback_recompute.labels(scope).observe(seconds)
+        self.fallback_layers.labels(scope).inc(layers)
 
     def record_received(self, handoff: HandoffObservation, predicted_ms: float,
                         bf16_bytes: int) -> None:

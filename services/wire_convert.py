@@ -109,6 +109,7 @@ def summary_response(done: Completion):
         action=action_to_proto(h.action), action_kind=h.action.kind.value,
         bytes=wire_bytes_to_proto(h.bytes), predicted_handoff_ms=h.predicted_ms,
         measured_handoff_ms=h.measured_ms, fallback=h.fallback, fallback_reason=h.fallback_reason,
+        fallback_scope=h.fallback_scope, recomputed_layers=h.recomputed_layers,
         timings=rekv_pb2.HandoffTimings(prefill_ms=h.prefill_ms, q_ms=h.q_ms, h_ms=h.h_ms,
                                         x_ms=h.x_ms, r_ms=h.r_ms, j_ms=h.j_ms))
     if h.delivery is not None:

@@ -10,15 +10,18 @@ prefix layer in those row ranges, `layer.{i}.{k}`, each layer's in chunk order, 
 boundary's chunks). Any
 other message, a second copy, or one out of its kind's order is a `TransportError`. `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it. With
-`keep_verified`, a prefix layer whose message verified (its name and place) but whose bytes did
-not (checksums, codec layout, shape) is lost instead (`losses`) and the reading goes on;
-`verified()` names the prefix layers whose every message was restored (`recovery`).
+`keep_verified`, a prefix layer whose message fails its seal (MAC, decryption), its checksums or
+its codec's layout is lost instead (`losses`) and the reading goes on; a message that fails its
+seal counts as the prefix layer its name claims only where that layer is next in its order (a
+false name can only cost more layers, or the handoff), and as nothing else. `verified()` names
+the prefix layers whose every message was restored (`recovery`).
 """
 
 from __future__ import annotations
 
 import queue
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -26,13 +29,21 @@ from rekv_core import streams
 from rekv_core.codecs import EncodedKV
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
-from rekv_core.handoff.seal import Sealing, decrypt, open_message
+from rekv_core.handoff.seal import SealError, Sealing, decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model
 from rekv_core.transport import Message, TransportError, TransportReceiver
 from rekv_core.transport.arrivals import Arrival, link_sample
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A message that failed its seal: only its claimed `name`, and why."""
+
+    name: str
+    error: SealError
 
 
 class Inbound:
@@ -43,10 +54,21 @@ class Inbound:
         self.arrivals: list[Arrival] = []
 
     def next(self) -> Message:
+        message = self.next_or_refused()
+        if isinstance(message, Refused):
+            raise message.error
+        return message
+
+    def next_or_refused(self) -> Message | Refused:
+        """The next message opened, or `Refused` when it fails its seal."""
         key = self.sealing.message_key
-        message = open_message(key, self.transport.recv(self.request_id, self.transfer.wait_s()))
-        if self.sealing.encrypted:
-            message = decrypt(key, message)
+        message = self.transport.recv(self.request_id, self.transfer.wait_s())
+        try:
+            message = open_message(key, message)
+            if self.sealing.encrypted:
+                message = decrypt(key, message)
+        except SealError as exc:
+            return Refused(message.name, exc)
         if message.arrival is not None:
             self.arrivals.append(message.arrival)
         return message
@@ -124,7 +146,7 @@ class Incoming:
             return
         layer = chunk = 0
         for _ in range(c + self.num_chunks + (c == L)):
-            message = self.inbound.next()
+            message = self._next()
             if layer < c and message.name == layer_name(layer):
                 self._restore_or_lose(layer, message)
                 layer += 1
@@ -134,8 +156,9 @@ class Incoming:
                 self._hand_over(message)
                 chunk += 1
             elif message.name == HEAD and c == L and layer == c:
-                self.head = message
+                self.head = _opened(message)
             else:
+                _opened(message)  # a refused one: its seal's error
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
                                      f"{message.name!r} (after {layer} of {c} layers and "
                                      f"{chunk} of {self.num_chunks} boundary chunks)")
@@ -146,7 +169,7 @@ class Incoming:
         next_rows = [0] * c  # per layer, the chunk of rows it expects next
         chunk = restored = 0
         for _ in range(c * len(chunks) + self.num_chunks):
-            message = self.inbound.next()
+            message = self._next()
             rows = parse_layer_rows(message.name)
             if rows is not None and rows[0] < c and rows[1] == next_rows[rows[0]] < len(chunks):
                 index, k = rows
@@ -159,13 +182,17 @@ class Incoming:
                 self._hand_over(message)
                 chunk += 1
             else:
+                _opened(message)
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
                                      f"{message.name!r} (after {restored} of {c * len(chunks)} "
                                      f"prefix chunks and {chunk} of {self.num_chunks} boundary "
                                      f"chunks)")
 
-    def _hand_over(self, message: Message) -> None:
-        self._chunks.put(message)
+    def _next(self) -> Message | Refused:
+        return self.inbound.next_or_refused() if self.keep_verified else self.inbound.next()
+
+    def _hand_over(self, message: Message | Refused) -> None:
+        self._chunks.put(_opened(message))
         self.chunks_in += 1
 
     @property
@@ -178,9 +205,9 @@ class Incoming:
         return frozenset(i for i, n in enumerate(self._restored)
                          if n == per_layer and i not in self.losses)
 
-    def _restore_or_lose(self, index: int, message: Message, *rows: int) -> None:
+    def _restore_or_lose(self, index: int, message: Message | Refused, *rows: int) -> None:
         try:
-            self._restore(index, message, *rows)
+            self._restore(index, _opened(message), *rows)
         except (TransportError, ValueError) as exc:  # SealError, CorruptPayloadError among them
             if not self.keep_verified:
                 raise
@@ -209,3 +236,9 @@ class Incoming:
             stream = torch.cuda.current_stream(self.model.device)
             stream.wait_event(self.ready)
             stream.synchronize()
+
+
+def _opened(message: Message | Refused) -> Message:
+    if isinstance(message, Refused):
+        raise message.error
+    return message

@@ -316,12 +316,14 @@ def _raise_what_is_lost(model: Model, plan: HandoffPlan, incoming: Incoming, cac
     verified = incoming.verified()
     lost_only_prefix = incoming.keep_verified and len(verified) < plan.action.cut
     if lost_only_prefix and suffix is not None:
-        logits = suffix.logits
+        logits, received = suffix.logits, WireBytes(boundary=suffix.wire_bytes)
     elif lost_only_prefix and not plan.action.sends_boundary and incoming.head is not None:
         head = decode_chunk(incoming.head, (model.shape.hidden_size,), "bf16")
         logits = final_logits(model, head.to(model.device, model.dtype))
+        received = WireBytes(head=model.shape.hidden_size * BF16_BYTES)
     else:
         raise cause
     cache.length = plan.seq_len
     incoming.join_compute_stream()
-    raise PartialHandoff(Salvage(plan, cache, logits, verified), cause) from cause
+    salvage = Salvage(plan, cache, logits, verified, received + incoming.bytes)
+    raise PartialHandoff(salvage, cause) from cause

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, embed, iter_layers
@@ -39,12 +40,13 @@ PARTIAL, FULL = "partial", "full"
 @dataclass(frozen=True)
 class Salvage:
     """A failed handoff's verified part: `cache` (length: the prompt) holds the prefix layers in
-    `verified` and layers c..L−1; `logits` are the first token's."""
+    `verified` and layers c..L−1; `logits` are the first token's; `bytes`: those restored."""
 
     plan: HandoffPlan
     cache: KVCache
     logits: torch.Tensor
     verified: frozenset[int]
+    bytes: WireBytes = WireBytes()
 
     @property
     def lost(self) -> list[int]:

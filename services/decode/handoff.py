@@ -15,10 +15,14 @@ logits, however the handoff goes:
    reply only carries timings.
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
 or unauthenticated, a reply that disagrees with the plan, a deadline passed) the receive is
-aborted, which drains whatever the prefill side still sends, and the prompt is recomputed here
-from its token ids, counted in `rekv_fallbacks_total` by reason; or, with `on_handoff_failure =
-fail`, the call ends with UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the
-prefill side) and the caller's cancel or deadline end the call instead.
+aborted, which drains whatever the prefill side still sends, and the prompt is recovered here
+from its token ids, counted in `rekv_fallbacks_total` by reason: where the receive lost only
+prefix layers (its `Salvage`, `_salvage_of`), layers 0..m alone are recomputed and the verified
+ones kept (`partial`), else the whole prompt (`full`; `rekv_core.handoff.recovery`), counted in
+`rekv_fallback_recompute_seconds` and `rekv_fallback_recomputed_layers_total` by scope; or, with
+`on_handoff_failure = fail`, the call ends with UNAVAILABLE. Only the caller's own bad input
+(INVALID_ARGUMENT from the prefill side) and the caller's cancel or deadline end the call
+instead.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch
 from rekv_core.codecs import CorruptPayloadError
 from rekv_core.connector import HandoffCall, HandoffReply, PendingHandoff
 from rekv_core.handoff import Action, HandoffResult, WireBytes
+from rekv_core.handoff.recovery import PARTIAL, PartialHandoff, Salvage
 from rekv_core.handoff.seal import SealError
 from rekv_core.handoff.transfer import TransferCancelled, allowed_s
 from rekv_core.model import KVCache
@@ -68,6 +73,8 @@ class _Failed(Exception):
 
 
 def _receive_failure(exc: BaseException) -> _Failed:
+    if isinstance(exc, PartialHandoff):  # the failure that cost the prefix layers
+        exc = exc.cause
     if isinstance(exc, (SealError, CorruptPayloadError)):
         return _Failed("integrity", str(exc))
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
@@ -108,7 +115,8 @@ class Handoffs:
         except _Failed as failed:
             connector.abandon(pending, str(failed))  # wakes the receiving thread
             await asyncio.gather(receiving, return_exceptions=True)
-            return await self._fallback(ids, len(ids) + call.max_new_tokens, began, failed)
+            return await self._fallback(ids, len(ids) + call.max_new_tokens, began, failed,
+                                        _salvage_of(receiving))
         finally:
             if not receiving.done():  # cancelled, or the caller's own error
                 connector.cancel(pending)
@@ -194,17 +202,30 @@ class Handoffs:
         return Handed(result.cache, result.logits, report, learned.link_sample_gbps)
 
     async def _fallback(self, ids: list[int], capacity: int, began: float,
-                        failed: _Failed) -> Handed:
+                        failed: _Failed, salvage: Salvage | None) -> Handed:
         self.metrics.fallbacks.labels(failed.label).inc()
         if self.worker.settings.on_handoff_failure == "fail":
             raise HandoffFailed(f"handoff failed ({failed}); on_handoff_failure is fail")
-        log.warning("handoff failed, recomputing the prompt locally: %s", failed)
         started = time.perf_counter()
-        cache, logits = await asyncio.to_thread(self.connector.recompute, ids, capacity)
+        recovered = await asyncio.to_thread(self.connector.recover, ids, capacity, salvage)
         recompute_s = time.perf_counter() - started
+        scope, layers = recovered.recovery.scope, recovered.recovery.layers
+        log.warning("handoff failed, recomputed %s locally (%s, %d layers): %s",
+                    "its lost layers" if scope == PARTIAL else "the prompt", scope, layers, failed)
         self.metrics.suffix.observe(recompute_s)
-        report = HandoffReport(action=Action.token_only(self.worker.shape.num_layers),
-                               bytes=WireBytes(), fallback_reason=str(failed),
-                               measured_ms=(time.perf_counter() - began) * 1e3,
-                               r_ms=recompute_s * 1e3)
-        return Handed(cache, logits, report)
+        self.metrics.record_fallback(scope, layers, recompute_s)
+        kept = salvage if scope == PARTIAL else None
+        report = HandoffReport(
+            action=kept.plan.action if kept else Action.token_only(self.worker.shape.num_layers),
+            bytes=kept.bytes if kept else WireBytes(), fallback_reason=str(failed),
+            measured_ms=(time.perf_counter() - began) * 1e3, r_ms=recompute_s * 1e3,
+            delivery=kept.plan.delivery if kept else None, fallback_scope=scope,
+            recomputed_layers=layers)
+        return Handed(recovered.cache, recovered.logits, report)
+
+
+def _salvage_of(receiving: asyncio.Future) -> Salvage | None:
+    """What an ended receive kept of a handoff that lost only prefix layers, if it did."""
+    if receiving.cancelled() or not isinstance(receiving.exception(), PartialHandoff):
+        return None
+    return receiving.exception().salvage

@@ -14,7 +14,9 @@ none, so that one process serves every kind of fault in turn.
   kill the process there or act on the transfer meanwhile. The hold ends early when the transfer
   is cancelled.
 - `flip_bit`: flip one bit of the first message with a payload (the boundary, the token ids or
-  layer 0) after it was sealed: what a bad link or a bad DIMM would do.
+  layer 0) after it was sealed: what a bad link or a bad DIMM would do; `flip_late_bit`: the
+  same in the last prefix layer c−1 (pipelined: its first rows), which the decode side can
+  recover by recomputing layers 0..c−1 alone (cut >= 1).
 - `replay`: send, in place of this handoff's boundary, the boundary of the previous handoff this
   worker sent, re-addressed to this handoff's request and place (a replay by someone who can
   rewrite frames but not forge MACs); with no previous handoff it is sent unchanged.
@@ -87,7 +89,9 @@ class _HandoffFaults:
 
     def before_send(self, message: Message) -> Message:
         fault = self.fault
-        if fault == "flip_bit" and message.buffers and not self.flipped:
+        late = fault == "flip_late_bit" and self.cut >= 1 and message.name in (
+            layer_name(self.cut - 1), layer_rows_name(self.cut - 1, 0))
+        if (late or fault == "flip_bit") and message.buffers and not self.flipped:
             self.flipped = True
             name, buffer = next(iter(message.buffers.items()))
             flipped = buffer.clone()

@@ -5,8 +5,9 @@ with `--fault-inject by_request` (services/prefill/faults.py: a request id `hold
 that handoff after its boundary, `flip_bit/x` flips a bit of it, ...); tests kill it with SIGKILL
 (and start another), or send from a hostile process (tests/support/rogue_peer.py). After each fault
 the request must complete with the reference's tokens (recomputed on the decode side, and counted
-by reason), nothing may stay held (the data plane's pending state, the handoffs and transfers in
-flight), and the services must keep serving. (`REKV_FUZZ_UCX_CONNECTIONS` and
+by reason; only the lost layers where only prefix layers were lost), nothing may stay held (the
+data plane's pending state, the handoffs and transfers in flight), and the services must keep
+serving. (`REKV_FUZZ_UCX_CONNECTIONS` and
 `REKV_FUZZ_UCX_FRAMES` raise the number of random-byte connections and random frames for a bench
 run.)
 """
@@ -37,6 +38,7 @@ PROMPT = ("The history of the city begins with a small settlement on the river. 
           + "In the end, the city")
 NEW_TOKENS = 6
 BF16_JOINT = ("bf16", 15)
+SEED = (False, 0)  # the seed's schedule: the boundary first, then layers 0..c-1
 
 
 def _free_port() -> int:
@@ -91,9 +93,9 @@ class Cluster:
         self.serving.stop()
         self.serving = None
 
-    def request(self, name: str, timeout: float = 120.0, forced=BF16_JOINT):
+    def request(self, name: str, timeout: float = 120.0, forced=BF16_JOINT, schedule=None):
         return generate(self.channel, name, PROMPT, NEW_TOKENS, forced_action=forced,
-                        timeout=timeout)
+                        timeout=timeout, forced_schedule=schedule)
 
     def metrics(self, process: ServiceProcess) -> str:
         with urllib.request.urlopen(f"http://{process.info['metrics']}/metrics") as response:
@@ -148,6 +150,16 @@ def fallbacks(cluster: Cluster) -> dict[str, float]:
             re.findall(r'^rekv_fallbacks_total\{reason="(\w+)"\} (\S+)$', text, re.M)}
 
 
+def recoveries(cluster: Cluster) -> dict[str, tuple[float, float]]:
+    """By scope: (fallbacks, layers recomputed)."""
+    text = cluster.metrics(cluster.decode)
+    counts = dict(re.findall(r'^rekv_fallback_recompute_seconds_count\{scope="(\w+)"\} (\S+)$',
+                             text, re.M))
+    layers = dict(re.findall(r'^rekv_fallback_recomputed_layers_total\{scope="(\w+)"\} (\S+)$',
+                             text, re.M))
+    return {scope: (float(counts[scope]), float(layers.get(scope, 0))) for scope in counts}
+
+
 def wait_for_hold(process: ServiceProcess, request_id: str, timeout: float = 120.0) -> str:
     """The transfer id the prefill service holds for `request_id` (from its log)."""
     pattern = re.compile(rf"holding request={re.escape(request_id)} transfer=(\S+) at")
@@ -163,14 +175,14 @@ def wait_for_hold(process: ServiceProcess, request_id: str, timeout: float = 120
 class InBackground:
     """A request on its own thread; `result()` returns its outcome or raises its error."""
 
-    def __init__(self, cluster: Cluster, name: str):
+    def __init__(self, cluster: Cluster, name: str, schedule=None):
         self.outcome = None
-        self.thread = threading.Thread(target=self._run, args=(cluster, name))
+        self.thread = threading.Thread(target=self._run, args=(cluster, name, schedule))
         self.thread.start()
 
-    def _run(self, cluster: Cluster, name: str) -> None:
+    def _run(self, cluster: Cluster, name: str, schedule) -> None:
         try:
-            self.outcome = cluster.request(name)
+            self.outcome = cluster.request(name, schedule=schedule)
         except BaseException as exc:
             self.outcome = exc
 
@@ -293,6 +305,9 @@ def test_prefill_killed_mid_handoff_loses_nothing(cluster, reference):
         result = pending.result()
         assert result.token_ids == reference, point
         assert result.summary.fallback, "a dead prefill cannot have completed the handoff"
+        # streamed (the default): the boundary follows the prefix, so a prefill that dies before
+        # it was sent leaves nothing to keep
+        assert result.summary.fallback_scope == "full", result.summary
         assert fallbacks(cluster)["prefill_unavailable"] == before + 1
         assert_nothing_held(cluster, cluster.decode)
         cluster.decode_threads = cluster.decode_threads or threads(cluster.decode)
@@ -305,3 +320,24 @@ def test_prefill_killed_mid_handoff_loses_nothing(cluster, reference):
     assert gauge(cluster, cluster.decode, "rekv_transport_connections") == 1
     assert gauge(cluster, clean, "rekv_transport_connections") == 1
     assert threads(cluster.decode) <= cluster.decode_threads + 4  # a pool's spares at most
+
+
+def test_only_the_lost_layers_are_recomputed(cluster, reference):
+    """A bit flipped in the last prefix layer, and a prefill killed mid-prefix after its boundary
+    left (the seed's schedule): the decode service keeps the verified layers and the suffix and
+    recomputes layers 0..14 alone, with the reference's tokens, and counts it by scope."""
+    prefill = cluster.prefill()
+    before = recoveries(cluster).get("partial", (0.0, 0.0))
+    flipped = cluster.request("flip_late_bit/partial")
+    pending = InBackground(cluster, "hold_prefix/killed-partial", schedule=SEED)
+    wait_for_hold(prefill, "hold_prefix/killed-partial")
+    cluster.kill_prefill()
+    killed = pending.result()
+    for result, reason in ((flipped, "integrity"), (killed, "prefill_unavailable")):
+        assert result.token_ids == reference, result.summary
+        assert result.summary.fallback_reason.startswith(reason), result.summary
+        assert result.summary.fallback_scope == "partial", result.summary
+        assert result.summary.recomputed_layers == BF16_JOINT[1]
+        assert result.summary.bytes.boundary > 0
+    assert recoveries(cluster)["partial"] == (before[0] + 2, before[1] + 2 * BF16_JOINT[1])
+    assert_nothing_held(cluster, cluster.decode)

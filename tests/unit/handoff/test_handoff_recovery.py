@@ -77,6 +77,36 @@ def test_a_flipped_bit_in_a_late_layer_recomputes_up_to_it(smollm_bf16, mode):
     _assert_reference(smollm_bf16, IDS, partial.salvage)
 
 
+def _flip_header(name):
+    """A link fault: one bit of `name`'s sealed header flipped (its MAC no longer holds)."""
+    def apply(message):
+        if message.name == name:
+            header = bytearray(message.header)
+            header[len(header) // 2] ^= 0x10
+            message.header = bytes(header)
+        return [message]
+    return apply
+
+
+@pytest.mark.parametrize("how", ["header", "ciphertext"])
+def test_a_late_layer_failing_its_seal_recomputes_up_to_it(smollm_bf16, how):
+    """The MAC (or, encrypted, the cipher's tag) refuses the message: it counts as the layer it
+    claims to be, which is next in its order, and the reading goes on."""
+    fault = _flip_header("layer.9") if how == "header" else _flip("layer.9")
+    partial = _salvage(smollm_bf16, IDS, Action("bf16", 12, L), fault=fault, key=new_key(),
+                       encrypted=how == "ciphertext")
+    assert isinstance(partial.cause, SealError), partial.cause
+    assert partial.salvage.lost == [9]
+    _assert_reference(smollm_bf16, IDS, partial.salvage)
+
+
+def test_a_refused_message_claiming_a_boundary_salvages_nothing(smollm_bf16):
+    with pytest.raises(SealError) as raised:
+        run_handoff(smollm_bf16, IDS, Action("bf16", 12, L), prefill(smollm_bf16, IDS),
+                    receiving=KEEP, fault=_flip_header("boundary"), key=new_key())
+    assert not isinstance(raised.value, PartialHandoff)
+
+
 def test_a_lossy_prefix_keeps_its_decoded_layers(smollm_bf16):
     partial = _salvage(smollm_bf16, IDS, Action("int8", 12, L), fault=_flip("layer.6"))
     assert partial.salvage.lost == [6]

@@ -165,3 +165,13 @@ def test_overlapping_receives_are_marked_shared_both_ways():
     assert busy.shared
     overlaps.end(busy)
     assert not overlaps.begin(computing=False).shared
+
+
+def test_a_partial_recompute_commits_only_its_layers(clock):
+    """A fallback that recomputes layers 0..m alone counts m + 1 layers, a full one every layer."""
+    load = DecodeLoad(TransferBook())
+    with load.recomputing(100, layers=12):
+        assert load.backlog(gamma, 30).ms == pytest.approx(12 * 10.0)
+        with load.recomputing(100):
+            assert load.backlog(gamma, 30).ms == pytest.approx(12 * 10.0 + 30 * 10.0)
+    assert load.backlog(gamma, 30).ms == 0.0
