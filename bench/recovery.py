@@ -11,7 +11,7 @@ receiver keeping what verified (`Receiving(keep_verified=True)`):
 - `flip_bit`, streamed: a bit of the first payload, layer 0 (m = 0);
 - `flip_late_bit`, streamed: a bit of the last prefix layer (m = c − 1);
 - `hold_prefix`, the seed's schedule (the boundary first): held after half of the prefix, the
-  rest missing when the receiver's stall limit passes (m = c − 1);
+  rest missing when the receiver's stall limit (`STALL_S`) passes (m = c − 1);
 - `killed`, the seed's schedule: the sender gives up its transfer where `hold_prefix` holds (as a
   prefill killed there: nothing more is sent) (m = c − 1).
 
@@ -52,7 +52,8 @@ from rekv_core.transport.inprocess import InProcessLink
 from services.prefill.faults import Faults
 
 CASES = {"flip_bit": True, "flip_late_bit": True, "hold_prefix": False, "killed": False}
-STALL_S = 2.0  # the receiver's stall limit: a held prefix is given up after it
+STALL_S = 5.0  # the receiver's stall limit after a finished prefill: a held prefix is given up
+STREAMED_STALL_S = 600.0  # a streamed boundary waits for the prefill's layers 0..c-1
 
 
 class _Dying(Faults):
@@ -80,8 +81,9 @@ def salvage_of(model: Model, ids: list[int], cut: int, case: str):
                                                          sent, sealing, hooks))
         sender.start()
         try:
-            receive_handoff(model, link.receiver, Transfer("r", stall_s=STALL_S), sealing,
-                            Receiving(keep_verified=True))
+            receive_handoff(model, link.receiver,
+                            Transfer("r", stall_s=STREAMED_STALL_S if streamed else STALL_S),
+                            sealing, Receiving(keep_verified=True))
         except PartialHandoff as partial:
             return partial.salvage
         finally:
