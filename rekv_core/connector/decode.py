@@ -24,9 +24,10 @@ A failed handoff is given up with `abandon(pending, reason)`, and the prompt rec
 `recover(ids, capacity, salvage)`, counted as this worker's load while it runs: with the
 `Salvage` of a handoff that lost only prefix layers (`receive` raised `PartialHandoff`), layers
 0..m alone are recomputed and the verified ones kept (`partial`), else the whole prompt
-(`recompute`, `full`; `handoff.recovery`); a caller that gives up `cancel`s it. `observe_probe(sample)`
-takes a link probe's sample; `memory(prompt_len, max_new_tokens)` is what one request holds here,
-for admission control. Thread-safe, except where an event-loop thread is named.
+(`recompute`, `full`; `handoff.recovery`); a caller that gives up `cancel`s it.
+`observe_probe(sample)` takes a link probe's sample; `memory(prompt_len, max_new_tokens)` is what
+one request holds here, for admission control. Thread-safe, except where an event-loop thread is
+named.
 """
 
 from __future__ import annotations
