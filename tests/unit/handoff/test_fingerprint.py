@@ -58,7 +58,7 @@ def test_the_digest_covers_every_tensor_and_reads_a_shared_one_once(monkeypatch)
     real = digest._bytes_digest
     monkeypatch.setattr(digest, "_bytes_digest", lambda t: hashed.append(t) or real(t))
     first = digest.weights_digest(shared)
-    assert len(hashed) == 2 + len(expected_layer_shapes(SHAPE))  # embed (also the tied head), final norm, one layer
+    assert len(hashed) == 2 + len(expected_layer_shapes(SHAPE))
     shared.layers[1] = replace(shared.layers[1], wo=shared.layers[1].wo.clone())
     shared.layers[1].wo[0, 0] += 1.0  # the second layer's copy only
     assert digest.weights_digest(shared) != first
