@@ -17,7 +17,6 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
-    Info,
     ProcessCollector,
     start_http_server,
 )
@@ -79,20 +78,22 @@ class ServiceMetrics:
         self.connections = Gauge(
             "rekv_transport_connections", "Data-plane connections held: from live prefill "
             "workers (decode), to decode workers (prefill)", registry=r)
-        self.model = Info("rekv_model", "The model this service runs: its name and fingerprint "
-                          "(weights, shape, dtype, tokenizer, wire and codec versions)",
-                          registry=r)
+        self.model = Gauge("rekv_model_info", "1 for the model this service runs: its name and "
+                           "fingerprint (weights, shape, dtype, tokenizer, wire and codec "
+                           "versions)", ["model", "fingerprint"], registry=r)
+        self._incompatible = _IncompatiblePeers(dict)
+        r.register(self._incompatible)
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
 
     def record_model(self, name: str, fingerprint: str) -> None:
-        self.model.info({"model": name, "fingerprint": fingerprint})
+        self.model.labels(name, fingerprint).set(1)
 
     def watch_incompatible(self, peers: Callable[[], Mapping[str, bool]]) -> None:
-        """Export `peers()`: each prefill replica's address, and whether it is left out now for
-        serving another model."""
-        self.registry.register(_IncompatiblePeers(peers))
+        """Export `peers()` (decode): each prefill replica's address, and whether it is left out
+        now for serving another model."""
+        self._incompatible.peers = peers
 
     def watch_transfers(self, count) -> None:
         """Export `count(state)`, the live transfers in each unfinished state."""

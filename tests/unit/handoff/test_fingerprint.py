@@ -3,7 +3,6 @@ changes with one weight, the dtype, the RoPE theta, the tokenizer, the wire form
 version, is the same across loads, and a file's digest is read back from the model cache, not
 computed again, until the file changes."""
 
-import json
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ from rekv_core.model import digest, get_preset, load_weights
 from rekv_core.model.conversion_cache import CACHE_ENV
 from rekv_core.model.weights import load_hf_checkpoint, synthetic_weights
 from rekv_core.model.weights_layout import expected_layer_shapes
+from tests.support.checkpoints import save_hf_checkpoint
 
 SHAPE = replace(get_preset("smollm2-135m").with_layers(2), vocab_size=512)
 
@@ -64,28 +64,6 @@ def test_the_digest_covers_every_tensor_and_reads_a_shared_one_once(monkeypatch)
     assert digest.weights_digest(shared) != first
 
 
-def _save_checkpoint(directory, weights):
-    from safetensors.torch import save_file
-
-    names = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
-             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
-             "mlp_norm": "post_attention_layernorm", "w_gate": "mlp.gate_proj",
-             "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
-    tensors = {"model.embed_tokens.weight": weights.embed, "model.norm.weight": weights.final_norm}
-    for index, layer in enumerate(weights.layers):
-        for key, name in names.items():
-            tensors[f"model.layers.{index}.{name}.weight"] = getattr(layer, key)
-    directory.mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, directory / "model.safetensors")
-    config = {"model_type": "llama", "hidden_size": SHAPE.hidden_size,
-              "num_hidden_layers": SHAPE.num_layers, "num_attention_heads": SHAPE.num_heads,
-              "num_key_value_heads": SHAPE.num_kv_heads, "intermediate_size": SHAPE.ffn_size,
-              "vocab_size": SHAPE.vocab_size, "rope_theta": SHAPE.rope_theta,
-              "rms_norm_eps": SHAPE.rms_eps, "tie_word_embeddings": True,
-              "max_position_embeddings": SHAPE.max_positions}
-    (directory / "config.json").write_text(json.dumps(config))
-
-
 def _no_hashing(*_):
     raise AssertionError("the weights were hashed again")
 
@@ -93,13 +71,13 @@ def _no_hashing(*_):
 def test_a_checkpoints_digest_is_read_back_until_the_checkpoint_changes(tmp_path, monkeypatch):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     directory = tmp_path / "tiny"
-    _save_checkpoint(directory, _weights())
+    save_hf_checkpoint(directory, _weights())
     first = load_hf_checkpoint(directory)
     assert first.digest == digest.weights_digest(first)
     with monkeypatch.context() as patch:
         patch.setattr(digest, "weights_digest", _no_hashing)
         assert load_hf_checkpoint(directory).digest == first.digest
-    _save_checkpoint(directory, _weights(seed=1))  # new weights under the same name
+    save_hf_checkpoint(directory, _weights(seed=1))  # new weights under the same name
     assert load_hf_checkpoint(directory).digest != first.digest
 
 
