@@ -17,7 +17,8 @@ reports each step's seconds; the parent also times the whole process. Cases:
 
 Beside the steps, each loading sample hashes the weights once more (`digest_s`: what the first
 start's digest costs, inside its `weights_s`), against the ceiling of copying the same bytes
-once in memory (`copy_s`: into a buffer already touched, so no page is faulted in).
+once in memory on one core, as the hash runs (`copy_s`: into a buffer already touched, so no page
+is faulted in).
 
 Each round runs every case once, in order on even rounds and in reverse on odd ones, so drift in
 the machine spreads over the cases. Reported: the median of each step and of the whole process,
@@ -63,6 +64,7 @@ if sys.argv[1] != "import":
     tensors = list({t.data_ptr(): t for t in canonical_tensors(loaded).values()}.values())
     flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     into = torch.zeros(sum(f.numel() for f in flat), dtype=torch.uint8)  # touched: no faults
+    torch.set_num_threads(1)  # as the hash runs: one core
     copying = time.perf_counter()
     torch.cat(flat, out=into)
     copied = time.perf_counter()
