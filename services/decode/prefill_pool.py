@@ -15,7 +15,7 @@ saw the failure recomputes its prompt locally (see the decode server), so none i
 refused this worker's model fingerprint (`mark_incompatible`: it serves another model, e.g. during
 a rolling upgrade) is left out for `incompatible_s` seconds, logged once with both fingerprints;
 when every peer is incompatible `pick()` raises `NoCompatiblePeer` and the request recomputes
-locally; `incompatible()` says which peers are left out so, for the metrics. Each peer
+locally; `incompatible()` says which peers are left out (the metrics read it). Each peer
 keeps one gRPC channel; the prefill side keeps one UCX endpoint per decode worker it sends to.
 With `on_added` (`connect_ahead.ConnectAhead`), each new peer is asked to make that endpoint at
 once, in the background, and asked again (after 0.5 s, then twice as long each time, up to
@@ -66,7 +66,6 @@ class PrefillPeer:
     reported_queue: int = 0  # the peer's own count, from its last reply
     down_until: float = 0.0
     incompatible_until: float = 0.0  # left out until then: it serves another model
-    fingerprint: str = ""  # its model's, as its last refusal named it
     calls: int = field(default=0)
 
     @property
@@ -197,7 +196,6 @@ class PrefillPool:
         """`peer` refused this worker's model fingerprint `ours`, serving `theirs`: leave it out
         for `incompatible_s` seconds (the call with it has ended: `report` it too)."""
         peer.incompatible_until = time.monotonic() + self.incompatible_s
-        peer.fingerprint = theirs
         log.warning("prefill pool: %s serves another model (fingerprint %s, this worker's %s); "
                     "left out for %.0f s", peer.address, theirs or "unknown", ours,
                     self.incompatible_s)
