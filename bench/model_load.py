@@ -1,20 +1,28 @@
-"""What a process start pays to get the embedded model ready, with and without the model cache.
+"""What a process start pays to get the embedded model ready, with and without the model cache,
+and what its fingerprint costs.
 
     python bench/model_load.py [--rounds 5] [--dtype bfloat16] \
         [--json bench/results/model-load-cpu.json]
 
 Each sample is a new Python process, as a service start is, that imports torch and rekv, loads
-the embedded model's weights (`load_weights`) and its tokenizer (`load_tokenizer`) and reports
-each step's seconds; the parent also times the whole process. Cases:
+the embedded model's weights (`load_weights`) and its tokenizer (`load_tokenizer`), takes the
+model fingerprint the services take at start (`handoff.fingerprint.model_fingerprint`) and
+reports each step's seconds; the parent also times the whole process. Cases:
 
 - import: the imports alone, the floor of any start;
 - convert: an empty model cache (`REKV_MODEL_CACHE`, a new directory each time): the GGUF file is
-  parsed and dequantized, and the entries are written (what the first start on a machine pays);
-- cached: the entries the convert case wrote: every later start.
+  parsed and dequantized, the weights' digest taken, and the entries written (what the first start
+  on a machine pays);
+- cached: the entries the convert case wrote: every later start, which reads the digest back.
+
+Beside the steps, each loading sample hashes the weights once more (`digest_s`: what the first
+start's digest costs, inside its `weights_s`), against the ceiling of copying the same bytes
+once in memory on one core, as the hash runs (`copy_s`: into a buffer already touched, so no page
+is faulted in).
 
 Each round runs every case once, in order on even rounds and in reverse on odd ones, so drift in
 the machine spreads over the cases. Reported: the median of each step and of the whole process,
-and the cached start over the convert one.
+the cached start over the convert one, and the digest's rate beside the copy rate.
 """
 
 from __future__ import annotations
@@ -37,19 +45,36 @@ CHILD = """
 import json, sys, time
 started = time.perf_counter()
 import torch
+from rekv_core.handoff.fingerprint import model_fingerprint
 from rekv_core.model import load_weights
+from rekv_core.model.digest import weights_digest
 from rekv_core.model.tokenizer import load_tokenizer
+from rekv_core.model.weights_entry import canonical_tensors
 imported = time.perf_counter()
+figures = {"import_s": imported - started}
 if sys.argv[1] != "import":
-    load_weights("smollm2-135m", getattr(torch, sys.argv[2]))
+    loaded = load_weights("smollm2-135m", getattr(torch, sys.argv[2]))
     weights = time.perf_counter()
-    load_tokenizer("smollm2-135m")
+    tokenizer = load_tokenizer("smollm2-135m")
     done = time.perf_counter()
-else:
-    weights = done = imported
-print(json.dumps({"import_s": imported - started, "weights_s": weights - imported,
-                  "tokenizer_s": done - weights}))
+    model_fingerprint(loaded, tokenizer)
+    printed = time.perf_counter()
+    weights_digest(loaded)
+    digested = time.perf_counter()
+    tensors = list({t.data_ptr(): t for t in canonical_tensors(loaded).values()}.values())
+    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    into = torch.zeros(sum(f.numel() for f in flat), dtype=torch.uint8)  # touched: no faults
+    torch.set_num_threads(1)  # as the hash runs: one core
+    copying = time.perf_counter()
+    torch.cat(flat, out=into)
+    copied = time.perf_counter()
+    figures.update(weights_s=weights - imported, tokenizer_s=done - weights,
+                   fingerprint_s=printed - done, digest_s=digested - printed,
+                   copy_s=copied - copying, bytes=sum(t.nbytes for t in tensors))
+print(json.dumps(figures))
 """
+STEPS = ("import_s", "weights_s", "tokenizer_s", "fingerprint_s", "digest_s", "copy_s",
+         "process_s")
 CASES = ("import", "convert", "cached")
 
 
@@ -90,23 +115,33 @@ def main(argv: list[str] | None = None) -> int:
                     shutil.rmtree(cold, ignore_errors=True)
     finally:
         shutil.rmtree(warm, ignore_errors=True)
-    medians = {case: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
+    medians = {case: {key: statistics.median(s.get(key, 0.0) for s in runs) for key in STEPS}
                for case, runs in samples.items()}
     print(f"embedded model ready in a new process, {args.dtype}, median of {args.rounds}:")
-    print(f"{'case':<8} {'import s':>9} {'weights s':>10} {'tokenizer s':>12} {'process s':>10}")
+    print(f"{'case':<8}" + "".join(f"{step.removesuffix('_s') + ' s':>14}" for step in STEPS))
     for case, m in medians.items():
-        print(f"{case:<8} {m['import_s']:>9.2f} {m['weights_s']:>10.2f} {m['tokenizer_s']:>12.2f} "
-              f"{m['process_s']:>10.2f}")
+        print(f"{case:<8}" + "".join(f"{m[step]:>14.3f}" for step in STEPS))
     ratio = medians["convert"]["process_s"] / medians["cached"]["process_s"]
     beyond = (medians["cached"]["process_s"] - medians["import"]["process_s"])
     print(f"cached start: {ratio:.1f}x faster than converting; {beyond:.2f} s beyond the imports")
+    nbytes = samples["cached"][0]["bytes"]
+    digest_s = statistics.median(s["digest_s"] for c in ("convert", "cached")
+                                 for s in samples[c])
+    copy_s = statistics.median(s["copy_s"] for c in ("convert", "cached") for s in samples[c])
+    print(f"weights digest: {nbytes / 1e6:.0f} MB in {digest_s:.3f} s "
+          f"({nbytes / digest_s / 1e9:.2f} GB/s; one in-memory copy "
+          f"{nbytes / copy_s / 1e9:.2f} GB/s, {digest_s / copy_s:.1f}x "
+          f"its time); a cached start reads it back: fingerprint "
+          f"{medians['cached']['fingerprint_s']:.3f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({
             "machine": {**machine_info(torch.device("cpu"), getattr(torch, args.dtype),
                                        torch.get_num_threads()), **started},
             "command": "python bench/model_load.py " + " ".join(argv or sys.argv[1:]),
             "rounds": args.rounds, "medians": medians, "samples": samples,
-            "convert_over_cached": ratio, "cached_beyond_imports_s": beyond}, indent=1) + "\n")
+            "convert_over_cached": ratio, "cached_beyond_imports_s": beyond,
+            "weights_bytes": nbytes, "digest_s": digest_s, "copy_s": copy_s,
+            "digest_over_copy": digest_s / copy_s}, indent=1) + "\n")
     return 0
 
 

@@ -7,9 +7,14 @@ import asyncio
 import grpc
 
 from rekv_core.codecs import CorruptPayloadError
-from rekv_core.connector import BadRequest, Busy
+from rekv_core.connector import BadRequest, Busy, ModelMismatch
 from rekv_core.handoff.transfer import TransferCancelled
 from rekv_core.transport import TransportError
+
+
+# the trailing metadata key under which a prefill worker that refuses another model's offer
+# (FAILED_PRECONDITION) names its own model fingerprint
+FINGERPRINT_TRAILER = "rekv-model-fingerprint"
 
 
 class InvalidArgument(BadRequest):
@@ -29,6 +34,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status a failed request ends with, and the reason label for metrics."""
     if isinstance(exc, BadRequest):  # InvalidArgument, or the connector's own
         return grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"
+    if isinstance(exc, ModelMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION, "model_mismatch"
     if isinstance(exc, Busy):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted"
     if isinstance(exc, HandoffFailed):

@@ -2,10 +2,15 @@
 
 Names follow Prometheus conventions: seconds and bytes in base units, `_total` on counters. Each
 service gets its own `CollectorRegistry`, so two services in one process (tests) stay apart.
-Histograms share buckets from 1 ms to 30 s.
+Histograms share buckets from 1 ms to 30 s. `rekv_model_info{model, fingerprint}` says which model
+each service runs (`record_model`); the decode service's `rekv_prefill_incompatible{peer}` is 1
+for each prefill replica it found serving another model, while it is left out
+(`watch_incompatible`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 from prometheus_client import (
     CollectorRegistry,
@@ -15,6 +20,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 from rekv_core.handoff import Action, WireBytes
 from rekv_core.handoff.transfer import TransferState
@@ -79,9 +85,22 @@ class ServiceMetrics:
         self.connections = Gauge(
             "rekv_transport_connections", "Data-plane connections held: from live prefill "
             "workers (decode), to decode workers (prefill)", registry=r)
+        self.model = Gauge("rekv_model_info", "1 for the model this service runs: its name and "
+                           "fingerprint (weights, shape, dtype, tokenizer, wire and codec "
+                           "versions)", ["model", "fingerprint"], registry=r)
+        self._incompatible = _IncompatiblePeers(dict)
+        r.register(self._incompatible)
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
+
+    def record_model(self, name: str, fingerprint: str) -> None:
+        self.model.labels(name, fingerprint).set(1)
+
+    def watch_incompatible(self, peers: Callable[[], Mapping[str, bool]]) -> None:
+        """Export `peers()` (decode): each prefill replica's address, and whether it is left out
+        now for serving another model."""
+        self._incompatible.peers = peers
 
     def watch_transfers(self, count) -> None:
         """Export `count(state)`, the live transfers in each unfinished state."""
@@ -129,3 +148,19 @@ class ServiceMetrics:
         """Start the /metrics HTTP server; returns the bound port."""
         server, _ = start_http_server(port, addr=host, registry=self.registry)
         return server.server_port
+
+
+class _IncompatiblePeers:
+    """A collector: one sample per prefill replica the pool knows, read when scraped."""
+
+    def __init__(self, peers: Callable[[], Mapping[str, bool]]):
+        self.peers = peers
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "rekv_prefill_incompatible", "1 while this prefill replica is left out because it "
+            "refused the offer for serving another model (FAILED_PRECONDITION), else 0",
+            labels=["peer"])
+        for address, incompatible in sorted(self.peers().items()):
+            family.add_metric([address], 1.0 if incompatible else 0.0)
+        yield family

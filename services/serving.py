@@ -22,7 +22,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from rekv_core.handoff import Action, wire_bytes
+from rekv_core.handoff.fingerprint import model_fingerprint
 from rekv_core.handoff.transfer import TransferBook
+from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.transport import TransportOptions
 from rekv_core.units import MiB
 from services import tls
@@ -38,8 +40,10 @@ Build = Callable[[grpc.aio.Server, ServiceMetrics],
 
 
 class Worker:
-    """What both workers hold: settings, metrics, the model and its torch threads, the book of
-    live transfers and the admission bounds."""
+    """What both workers hold: settings, metrics, the model and its torch threads, its tokenizer
+    (None: served by token ids) and fingerprint (`handoff.fingerprint`: logged, exported as
+    `rekv_model_info`, and in every handoff), the book of live transfers and the admission
+    bounds."""
 
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         self.settings = settings
@@ -47,6 +51,10 @@ class Worker:
         self.threads = settings.apply_threads()
         self.model = settings.load_model()
         self.shape = self.model.shape
+        self.tokenizer = load_tokenizer(settings.model)
+        self.fingerprint = model_fingerprint(self.model.weights, self.tokenizer)
+        log.info("%s model fingerprint %s", settings.role, self.fingerprint.describe())
+        metrics.record_model(self.shape.name, self.fingerprint.hex)
         self.transfers = TransferBook()
         what = "request" if settings.role == "decode" else "handoff"
         self.admission = Admission(settings.max_concurrent + settings.max_queue,

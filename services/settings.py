@@ -72,6 +72,9 @@ class ServiceSettings(RuntimeSettings):
     # (every address the name resolves to, resolved again every prefill_refresh_s)
     prefill_address: str = ""
     prefill_refresh_s: float = 5.0
+    # decode only: how long a prefill replica that refused this worker's model fingerprint
+    # (another model: FAILED_PRECONDITION) is left out, seconds; then it is tried again
+    prefill_incompatible_s: float = 60.0
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512  # the limit on a request's max_new_tokens
     max_concurrent: int = 4  # requests handled at once; more wait in the queue
@@ -172,6 +175,9 @@ class ServiceSettings(RuntimeSettings):
         chunk_bounds(1, self.boundary_chunk_tokens)  # ValueError naming boundary_chunk_tokens
         if self.prefill_refresh_s <= 0:
             raise ValueError(f"prefill_refresh_s: must be > 0, got {self.prefill_refresh_s}")
+        if self.prefill_incompatible_s < 0:
+            raise ValueError(f"prefill_incompatible_s: must be >= 0, got "
+                             f"{self.prefill_incompatible_s}")
 
     @property
     def loop_nice(self) -> int:

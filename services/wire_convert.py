@@ -14,6 +14,7 @@ import math
 from rekv_core.codecs import codec_names
 from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
 from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
+from rekv_core.handoff.fingerprint import is_fingerprint
 from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.evidence import MAX_PLANNED_TRANSFERS, DecodeCosts, Evidence, Measured
@@ -143,7 +144,8 @@ def handoff_request(call: HandoffCall):
             measured_over_model={kind.value: ratio
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
-            accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens))
+            accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens,
+            model_fingerprint=offer.fingerprint))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
     if call.forced_delivery is not None:
@@ -168,6 +170,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     if offer.model != model or offer.num_layers != num_layers:
         raise InvalidArgument(f"offer.model: decode runs {offer.model!r} with "
                               f"{offer.num_layers} layers, prefill {model!r} with {num_layers}")
+    _check_fingerprint(offer.model_fingerprint)
     _check_data_plane_address(offer.ucx_address)
     unknown = [c for c in offer.codecs if c not in codec_names()]
     if unknown:
@@ -189,7 +192,8 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
     return HandoffCall(
         request_id=request.request_id, transfer_id=request.transfer_id,
         token_ids=list(request.token_ids), forced_action=forced,
-        sealing=Sealing(bytes(request.handoff_key), request.encrypt_data_plane),
+        sealing=Sealing(bytes(request.handoff_key), request.encrypt_data_plane,
+                        bytes.fromhex(offer.model_fingerprint)),
         forced_delivery=(delivery_from_proto(request.forced_schedule)
                          if request.HasField("forced_schedule") else None),
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
@@ -200,7 +204,18 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           accepts_pipelined=offer.accepts_pipelined, chunk_tokens=chunk,
                           computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
-                          planned=_planned(offer.planned_transfers)))
+                          planned=_planned(offer.planned_transfers),
+                          fingerprint=offer.model_fingerprint))
+
+
+def _check_fingerprint(fingerprint: str) -> None:
+    """Every decode worker sends its model's fingerprint; the prefill side compares it."""
+    if not fingerprint:
+        raise InvalidArgument("offer.model_fingerprint: required (the decode worker's model "
+                              "fingerprint, 64 hex digits)")
+    if not is_fingerprint(fingerprint):
+        raise InvalidArgument(f"offer.model_fingerprint: must be 64 lower-case hex digits, got "
+                              f"{fingerprint[:80]!r}")
 
 
 

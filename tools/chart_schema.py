@@ -82,6 +82,7 @@ OVERRIDES: dict[str, dict] = {
     "config.ucxLoopNice": {"minimum": -1, "maximum": 19},
     "config.handoffTimeoutS": {"exclusiveMinimum": 0},
     "config.prefillRefreshS": {"exclusiveMinimum": 0},
+    "config.prefillIncompatibleS": {"minimum": 0},
     "config.shutdownGraceS": {"minimum": 0},
     "config.logLevel": {"enum": LOG_LEVELS},
     "accelerator.type": {"minLength": 1},

@@ -142,6 +142,7 @@ class EncodeContext:
 
 class Codec(ABC):
     name: str = ""
+    version: int = 1  # bump when what it writes or how it reads changes (in the model fingerprint)
     lossless: bool = False  # decode(encode(x)) == x for working-dtype caches: always eligible
     restore_is_copy: bool = False  # decode is a dtype view and a copy, no arithmetic
     importance_window: int = 0  # > 0: encode needs `EncodeContext.token_importance` from the
@@ -250,6 +251,11 @@ def register_codec(name: str, factory: Callable[[], Codec]) -> None:
 
 def codec_names() -> list[str]:
     return list(_REGISTRY)
+
+
+def codec_versions() -> dict[str, int]:
+    """Every registered codec's `version`, by name."""
+    return {name: get_codec(name).version for name in _REGISTRY}
 
 
 def get_codec(name: str) -> Codec:

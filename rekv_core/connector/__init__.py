@@ -16,7 +16,8 @@ Decode side, `DecodeConnector` (offers, receives, learns), per request:
   link_measured, recompute_s(prompt_len), memory(prompt_len, max_new_tokens), close().
 
 Prefill side, `PrefillConnector` (decides, sends), per call:
-    check(call)                                BadRequest naming the field, before admission
+    check(call)                                BadRequest naming the field, ModelMismatch for
+                                                  another model's offer; before admission
     decide(call, queue)                        -> Decision, whose `plan` is the HandoffPlan
     send(call, decision, sender, transfer, hooks) -> SentHandoff            blocking
     ended(transfer_id)                         always, last
@@ -32,11 +33,11 @@ embed them.
 """
 
 from rekv_core.connector.calls import (BadRequest, Busy, DecodeOffer, HandoffCall,
-                                       HandoffReply)
+                                       HandoffReply, ModelMismatch)
 from rekv_core.connector.decode import DecodeConnector, DecodeOptions, Learned, PendingHandoff
 from rekv_core.connector.prefill import PrefillConnector, PrefillOptions, SentHandoff
 from rekv_core.plan.planner import Decision  # what `PrefillConnector.decide` returns
 
 __all__ = ["BadRequest", "Busy", "Decision", "DecodeConnector", "DecodeOffer", "DecodeOptions",
-           "HandoffCall", "HandoffReply", "Learned", "PendingHandoff", "PrefillConnector",
-           "PrefillOptions", "SentHandoff"]
+           "HandoffCall", "HandoffReply", "Learned", "ModelMismatch", "PendingHandoff",
+           "PrefillConnector", "PrefillOptions", "SentHandoff"]

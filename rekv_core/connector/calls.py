@@ -23,6 +23,16 @@ class Busy(RuntimeError):
     """Beyond what the worker takes now; asking again later may succeed."""
 
 
+class ModelMismatch(RuntimeError):
+    """The offer comes from a worker of another model (`handoff.fingerprint`): no cache this
+    worker computes is valid there. Not worth asking this worker again."""
+
+    def __init__(self, offered: str, served: str):
+        super().__init__(f"offer.model_fingerprint: the decode worker runs model {offered}, this "
+                         f"prefill worker {served}: their caches are not interchangeable")
+        self.offered, self.served = offered, served
+
+
 @dataclass(frozen=True)
 class DecodeOffer:
     """Who the decode worker is and where it listens, beside its costs (`DecodeCosts`)."""
@@ -41,6 +51,7 @@ class DecodeOffer:
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done
     # the handoffs whose plan it has seen: those backlog_ms counts, and those ended just now
     planned: Collection[str] = frozenset()
+    fingerprint: str = ""  # its model's (`handoff.fingerprint`, hex); the prefill side's must match
 
 
 @dataclass(frozen=True)

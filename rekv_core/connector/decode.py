@@ -11,8 +11,9 @@ load (`DecodeLoad`, `SharingMeter`, `ReceiveOverlaps`). A request's handoff uses
 2. `begin(request_id, prompt_len, max_new_tokens, time_remaining)`: a `PendingHandoff` handoff: its
    `Transfer`, whose deadline is the call's less what a local recompute of the prompt would take
    (at least half the call's time is the handoff's), trusting the prefill side's prediction once
-   the link is measured; a fresh key; the receive opened on the data plane, which starts taking
-   messages at once;
+   the link is measured; a fresh key, bound to this worker's model fingerprint (`options.
+   fingerprint`, which the offer carries too); the receive opened on the data plane, which starts
+   taking messages at once;
 3. `receive(pending)` (blocking, on a thread): the handoff's result, and how many requests
    computed here on average while its suffix ran;
 4. `check_reply(plan, reply)`: the prefill side's reply must name the plan that arrived in-band;
@@ -41,6 +42,7 @@ from rekv_core.connector.calls import DecodeOffer, HandoffReply
 from rekv_core.handoff import (HandoffPlan, HandoffResult, Receiving, Sealing,
                                receive_handoff)
 from rekv_core.handoff.recovery import FULL, Recovery, Salvage, recompute_lost, recovery
+from rekv_core.handoff.seal import new_key
 from rekv_core.handoff.transfer import Transfer, TransferBook
 from rekv_core.model import KVCache, Model, prefill
 from rekv_core.plan.calibration import DecodeCalibration
@@ -61,6 +63,7 @@ class DecodeOptions:
     stall_s: float = 60.0  # the longest wait for one data-plane message
     encrypt: bool = False  # have every data-plane buffer encrypted
     link_prior_gbps: float = LINK_PRIOR_GBPS  # what it files handoffs under before a sample
+    fingerprint: str = ""  # its model's fingerprint (hex, `handoff.fingerprint`)
 
 
 @dataclass
@@ -127,7 +130,7 @@ class DecodeConnector:
                            accepts_streamed=True, accepts_pipelined=True,
                            chunk_tokens=self.options.chunk_tokens,
                            computing=self.load.computing(), backlog_ms=backlog.ms,
-                           planned=backlog.planned)
+                           planned=backlog.planned, fingerprint=self.options.fingerprint)
 
     def recompute_s(self, prompt_len: int) -> float:
         """What recomputing a prompt here would take now, by this worker's calibration."""
@@ -145,8 +148,10 @@ class DecodeConnector:
                             trust_predictions=self.link_measured)
         receive = self.overlaps.begin(computing=self.load.computing() > 0)
         self.receiver.open(transfer_id)
-        return PendingHandoff(transfer, Sealing.fresh(self.options.encrypt), prompt_len,
-                       max_new_tokens, self.load.work(transfer), receive)
+        sealing = Sealing(new_key(), self.options.encrypt,
+                          bytes.fromhex(self.options.fingerprint))
+        return PendingHandoff(transfer, sealing, prompt_len, max_new_tokens,
+                              self.load.work(transfer), receive)
 
     def receive(self, pending: PendingHandoff) -> tuple[HandoffResult, float]:
         """The result, and the mean number of requests computing here (this one included) while

@@ -6,8 +6,9 @@ calibration (α, γ_p, its send throughput), the planner with the quality gate's
 queue (`PrefillBacklog`) and the decode-side compute it has given out (`AssignedWork`). Methods, in
 the order a `Prefill.Handoff` call uses them:
 
-- `check(call)`: a forced action or delivery this worker cannot serve (`BadRequest` naming
-  `forced_action.codec` or `forced_schedule.*`);
+- `check(call)`: an offer from a worker of another model (`ModelMismatch`: its fingerprint is not
+  `options.fingerprint`), a forced action or delivery this worker cannot serve (`BadRequest`
+  naming `forced_action.codec` or `forced_schedule.*`);
 - `decide(call, queue)`: the `Decision`, whose `plan` (`HandoffPlan`) says what to send and how:
   the delivery is the forced one or this worker's default (streamed where the decode worker takes
   it and `stream_handoff` is set, in the decode worker's chunk size), and the order is the
@@ -34,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from rekv_core.connector.calls import BadRequest, Busy, HandoffCall
+from rekv_core.connector.calls import BadRequest, Busy, HandoffCall, ModelMismatch
 from rekv_core.handoff import Delivery, HandoffPlan, Order, SenderReport, send_handoff
 from rekv_core.handoff.probe import ProbeSent, send_probe
 from rekv_core.handoff.sender import SendHooks
@@ -54,6 +55,7 @@ class PrefillOptions:
     codecs: tuple[str, ...]  # the prefix codecs this worker may send
     stream_handoff: bool = True  # send from inside the prefill where the decode worker takes it
     pipeline_prefill: bool = True  # let the planner pick token order where it applies
+    fingerprint: str = ""  # its model's fingerprint (hex, `handoff.fingerprint`)
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,8 @@ class PrefillConnector:
         return cls(model, calibration, Planner(loaded), options)
 
     def check(self, call: HandoffCall) -> None:
+        if call.offer.fingerprint != self.options.fingerprint:
+            raise ModelMismatch(call.offer.fingerprint, self.options.fingerprint)
         forced = call.forced_action
         if forced is not None and forced.cut:
             try:

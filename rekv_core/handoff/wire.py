@@ -14,6 +14,10 @@ only once it has computed layer c−1); a receiver takes each kind in its own or
 any order. A pipelined handoff (`Order.TOKENS`: the prefill runs in the boundary's token chunks)
 sends, for each chunk in turn, its boundary rows and then its rows of every prefix layer,
 `layer.{i}.{k}` (`layer_rows_name`: layer i, chunk k, encoded on their own).
+
+`WIRE_FORMAT` is the version of this layout (with the plan's and boundary's headers); it is part of
+the model fingerprint (`handoff.fingerprint`), so workers that lay a handoff out differently never
+exchange one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import torch
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
+WIRE_FORMAT = 1  # bump when a message's name, order or header changes
 
 
 def layer_name(index: int) -> str:

@@ -6,9 +6,11 @@ Three loaders fill it:
 - `load_gguf(path)`: a llama.cpp GGUF file (the embedded SmolLM2 ships as one). Quantized tensors
   are dequantized with `gguf` to the working dtype; the Q/K row permutation llama.cpp applies to
   Llama checkpoints is undone. The result is kept in the model cache (`conversion_cache`, the
-  entry written and read by `weights_entry`), which later processes read instead.
+  entry written and read by `weights_entry`) with its digest (`digest`), which later processes
+  read instead.
 - `load_hf_checkpoint(directory)`: `config.json` plus `*.safetensors`, the way users bring Qwen2.5,
-  Qwen3 or Llama-3.1 checkpoints.
+  Qwen3 or Llama-3.1 checkpoints. The weights' digest is kept in the model cache, its entry named
+  after every file's size and modification time, so a start reads it instead of hashing again.
 - `synthetic_weights(shape)`: random weights with a preset's exact dimensions, optionally one
   layer's weights shared by every layer (the seed's model-shaped benchmark).
 
@@ -25,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rekv_core.model import shapes, weights_entry, weights_layout
+from rekv_core.model import digest, shapes, weights_entry, weights_layout
 from rekv_core.model.conversion_cache import cached, code_version
 from rekv_core.model.shapes import DEFAULT_MODEL, PRESETS, Llama3RopeScaling, ModelShape
 from rekv_core.model.weights_layout import (LayerWeights, ModelWeights, assemble,
@@ -96,11 +98,21 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32,
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
-    made_by = code_version((sys.modules[__name__], shapes, weights_layout, weights_entry),
+    made_by = code_version((sys.modules[__name__], shapes, weights_layout, weights_entry, digest),
                            ("gguf", "numpy", "safetensors", "torch"))
-    return cached(path, f"weights-{str(dtype).removeprefix('torch.')}", ".safetensors",
-                  lambda: convert_gguf(path, dtype, device), weights_entry.write_weights,
+
+    def convert() -> ModelWeights:
+        weights = convert_gguf(path, dtype, device)
+        digest.digest_of(weights)  # kept in the entry beside the weights
+        return weights
+
+    return cached(path, f"weights-{_dtype_name(dtype)}", ".safetensors", convert,
+                  weights_entry.write_weights,
                   lambda entry: weights_entry.read_weights(entry, dtype, device), made_by)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def convert_gguf(path: Path, dtype: torch.dtype, device: torch.device | str) -> ModelWeights:
@@ -191,7 +203,22 @@ def load_hf_checkpoint(directory: str | Path, dtype: torch.dtype = torch.float32
         handle = where.get(name)
         return None if handle is None else handle.get_tensor(name)
 
-    return assemble(shape, fetch, _HF_NAMES, dtype, device)
+    weights = assemble(shape, fetch, _HF_NAMES, dtype, device)
+    files = "|".join(f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+                     for p in (config_path, *shards))
+    made_by = code_version((weights_layout, weights_entry, digest), ("safetensors", "torch"))
+    weights.digest = cached(directory, f"digest-{_dtype_name(dtype)}", ".txt",
+                            lambda: digest.weights_digest(weights),
+                            lambda value, entry: entry.write_text(value),
+                            lambda entry: _read_digest(entry), f"{made_by}|{files}")
+    return weights
+
+
+def _read_digest(entry: Path) -> str:
+    value = entry.read_text().strip()
+    if len(value) != 64 or not all(c in "0123456789abcdef" for c in value):
+        raise ValueError(f"not a SHA-256 digest: {value[:80]!r}")
+    return value
 
 
 # ------------------------------------------------------------------------------------- synthetic

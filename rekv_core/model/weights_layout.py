@@ -63,6 +63,7 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [d]
     lm_head: torch.Tensor  # [vocab, d]; the same tensor as `embed` when tied
+    digest: str = ""  # SHA-256 of the tensors as loaded (`digest`), where a loader kept one
 
     @property
     def dtype(self) -> torch.dtype:

@@ -13,6 +13,9 @@ logits, however the handoff goes:
    the prefill side sends once its last byte has left, must name the plan that arrived, and
    teaches the connector (`learn`). A verified cache whose reply is late (or lost) is kept: the
    reply only carries timings.
+A replica that refuses the offer with FAILED_PRECONDITION serves another model (its fingerprint is
+not this worker's): the pool leaves it out for a while (`PrefillPool.mark_incompatible`) and the
+request recomputes (reason `model_mismatch`, also when no compatible replica is left).
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
 or unauthenticated, a reply that disagrees with the plan, a deadline passed) the receive is
 aborted, which drains whatever the prefill side still sends, and the prompt is recovered here
@@ -45,9 +48,9 @@ from rekv_core.handoff.transfer import TransferCancelled, allowed_s
 from rekv_core.model import KVCache
 from services import wire_convert
 from services.calls import GenerateCall, HandoffReport
-from services.decode.prefill_pool import PrefillPool
+from services.decode.prefill_pool import NoCompatiblePeer, PrefillPool
 from services.decode.worker import DecodeWorker
-from services.errors import HandoffFailed, InvalidArgument
+from services.errors import FINGERPRINT_TRAILER, HandoffFailed, InvalidArgument
 
 log = logging.getLogger("rekv.decode")
 
@@ -88,8 +91,13 @@ def _call_failure(exc: grpc.aio.AioRpcError) -> _Failed:
     code = exc.code()
     label = {grpc.StatusCode.UNAVAILABLE: "prefill_unavailable",
              grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
-             grpc.StatusCode.RESOURCE_EXHAUSTED: "prefill_busy"}.get(code, "prefill_error")
+             grpc.StatusCode.RESOURCE_EXHAUSTED: "prefill_busy",
+             grpc.StatusCode.FAILED_PRECONDITION: "model_mismatch"}.get(code, "prefill_error")
     return _Failed(label, f"prefill: {code.name}: {exc.details()}")
+
+
+def _trailer(exc: grpc.aio.AioRpcError, key: str) -> str:
+    return next((str(v) for k, v in exc.trailing_metadata() or () if k == key), "")
 
 
 class Handoffs:
@@ -135,6 +143,8 @@ class Handoffs:
             pending.sealing, call.forced_delivery))
         try:
             peer = self.prefill.pick()
+        except NoCompatiblePeer as exc:  # every replica serves another model
+            raise _Failed("model_mismatch", str(exc)) from None
         except ConnectionError as exc:  # no replica known yet: never lose the request
             raise _Failed("prefill_unavailable", f"prefill: {exc}") from None
         timeout = transfer.remaining_s()
@@ -168,6 +178,9 @@ class Handoffs:
             self.prefill.report(peer, unreachable=exc.code() == grpc.StatusCode.UNAVAILABLE)
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 raise InvalidArgument(exc.details()) from None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self.prefill.mark_incompatible(peer, _trailer(exc, FINGERPRINT_TRAILER),
+                                               self.worker.fingerprint.hex)
             raise _call_failure(exc)
         if exc is not None:
             self.prefill.report(peer)

@@ -11,7 +11,11 @@
 has in flight with that peer plus the queue that peer last reported in its `Handoff` reply
 (`report`); ties go round robin. A peer whose call failed as unreachable (`UNAVAILABLE`) is left
 out for `down_s` seconds, or until every peer is out, when all are tried again; the request that
-saw the failure recomputes its prompt locally (see the decode server), so none is lost. Each peer
+saw the failure recomputes its prompt locally (see the decode server), so none is lost. A peer that
+refused this worker's model fingerprint (`mark_incompatible`: it serves another model, e.g. during
+a rolling upgrade) is left out for `incompatible_s` seconds, logged once with both fingerprints;
+when every peer is incompatible `pick()` raises `NoCompatiblePeer` and the request recomputes
+locally; `incompatible()` says which peers are left out (the metrics read it). Each peer
 keeps one gRPC channel; the prefill side keeps one UCX endpoint per decode worker it sends to.
 With `on_added` (`connect_ahead.ConnectAhead`), each new peer is asked to make that endpoint at
 once, in the background, and asked again (after 0.5 s, then twice as long each time, up to
@@ -41,6 +45,10 @@ from services.settings import parse_prefill_address, split_host_port
 log = logging.getLogger("rekv.decode.pool")
 
 
+class NoCompatiblePeer(ConnectionError):
+    """Every known prefill replica serves another model than this worker."""
+
+
 def resolve(target: str) -> list[str]:
     """Every IPv4/IPv6 address of `name:port`, as sorted `host:port` strings."""
     host, port = split_host_port(target, "the DNS target")
@@ -57,6 +65,7 @@ class PrefillPeer:
     in_flight: int = 0  # this worker's handoffs with the peer now
     reported_queue: int = 0  # the peer's own count, from its last reply
     down_until: float = 0.0
+    incompatible_until: float = 0.0  # left out until then: it serves another model
     calls: int = field(default=0)
 
     @property
@@ -68,7 +77,7 @@ class PrefillPool:
     def __init__(self, prefill_address: str, refresh_s: float = 5.0, down_s: float = 5.0,
                  connect: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
                  on_added: Callable[[PrefillPeer], Awaitable[bool | None]] | None = None,
-                 start_wait_s: float = 5.0):
+                 start_wait_s: float = 5.0, incompatible_s: float = 60.0):
         """`connect(address)` makes a peer's channel (the decode server passes `tls`'s)."""
         self._connect = connect
         self._on_added, self.start_wait_s = on_added, start_wait_s
@@ -76,7 +85,7 @@ class PrefillPool:
         self._answered: dict[str, asyncio.Event] = {}  # by address: it answered once
         self.kind, targets = parse_prefill_address(prefill_address)
         self.target = targets[0] if self.kind == "dns" else None
-        self.refresh_s, self.down_s = refresh_s, down_s
+        self.refresh_s, self.down_s, self.incompatible_s = refresh_s, down_s, incompatible_s
         self.peers: dict[str, PrefillPeer] = {}
         self._retired: list[PrefillPeer] = []
         self._turn = itertools.count()
@@ -154,12 +163,16 @@ class PrefillPool:
             log.info("prefill pool: removed %s", address)
 
     def pick(self) -> PrefillPeer:
-        """The least loaded peer that is not down (all of them when every one is down)."""
+        """The least loaded compatible peer that is not down (every compatible one when all are
+        down); `NoCompatiblePeer` when every peer serves another model."""
         if not self.peers:
             raise ConnectionError(f"prefill pool: no prefill address known for "
                                   f"{self.target or 'the configured list'}")
         now = time.monotonic()
-        peers = list(self.peers.values())
+        peers = [p for p in self.peers.values() if p.incompatible_until <= now]
+        if not peers:
+            raise NoCompatiblePeer(f"prefill pool: every replica serves another model "
+                                   f"({', '.join(sorted(self.peers))})")
         candidates = [p for p in peers if p.down_until <= now] or peers
         offset = next(self._turn)
         order = candidates[offset % len(candidates):] + candidates[:offset % len(candidates)]
@@ -178,6 +191,20 @@ class PrefillPool:
             peer.down_until = time.monotonic() + self.down_s
             log.warning("prefill pool: %s unreachable, left out for %.0f s", peer.address,
                         self.down_s)
+
+    def mark_incompatible(self, peer: PrefillPeer, theirs: str, ours: str) -> None:
+        """`peer` refused this worker's model fingerprint `ours`, serving `theirs`: leave it out
+        for `incompatible_s` seconds (the call with it has ended: `report` it too)."""
+        peer.incompatible_until = time.monotonic() + self.incompatible_s
+        log.warning("prefill pool: %s serves another model (fingerprint %s, this worker's %s); "
+                    "left out for %.0f s", peer.address, theirs or "unknown", ours,
+                    self.incompatible_s)
+
+    def incompatible(self) -> dict[str, bool]:
+        """Each known peer's address, and whether it is left out now for serving another
+        model."""
+        now = time.monotonic()
+        return {a: p.incompatible_until > now for a, p in dict(self.peers).items()}
 
     async def close(self) -> None:
         if self._refresher is not None:

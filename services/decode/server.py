@@ -124,7 +124,9 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
     pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s,
                        connect=lambda address: tls.secure_channel(settings, address),
-                       on_added=ConnectAhead(worker.receiver, worker.connector))
+                       on_added=ConnectAhead(worker.receiver, worker.connector),
+                       incompatible_s=settings.prefill_incompatible_s)
+    metrics.watch_incompatible(pool.incompatible)
     await pool.start()
     servicer = DecodeServicer(worker, pool)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
@@ -133,8 +135,8 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
         await pool.close()
         await asyncio.to_thread(worker.close)
 
-    extra = {"model": worker.shape.name, "ucx": worker.receiver.address,
-             "torch_threads": worker.threads}
+    extra = {"model": worker.shape.name, "model_fingerprint": worker.fingerprint.hex,
+             "ucx": worker.receiver.address, "torch_threads": worker.threads}
     return [rekv_pb2.DESCRIPTOR.services_by_name["Decode"].full_name], drain, extra
 
 

@@ -14,7 +14,6 @@ import torch
 
 from rekv_core.connector import DecodeConnector, DecodeOptions
 from rekv_core.model import KVCache, decode_steps
-from rekv_core.model.tokenizer import load_tokenizer
 from rekv_core.transport import create_receiver
 from services.calls import GenerateCall
 from services.errors import InvalidArgument
@@ -28,13 +27,12 @@ MAX_REQUEST_ID = 128  # characters
 class DecodeWorker(Worker):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         super().__init__(settings, metrics)
-        self.tokenizer = load_tokenizer(settings.model)
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.connector = DecodeConnector.for_model(
             self.model, self.receiver,
             DecodeOptions(settings.codecs, settings.boundary_chunk_tokens,
                           settings.handoff_timeout_s, settings.encrypt_data_plane,
-                          settings.link_gbps),
+                          settings.link_gbps, self.fingerprint.hex),
             settings.profile, self.transfers)
         metrics.link.set_function(lambda: self.connector.link_gbps)
         metrics.transport_pending.set_function(lambda: self.receiver.pending().total)

@@ -5,7 +5,9 @@ first handoff needs it, and sends it the link probe (`rekv_core.handoff.probe`) 
 
 A `Handoff` call's life cycle:
 1. read the call and check it against this worker's limits, its model and what its connector can
-   serve (INVALID_ARGUMENT naming the field);
+   serve (INVALID_ARGUMENT naming the field); an offer whose model fingerprint is not this
+   worker's ends with FAILED_PRECONDITION naming both, this worker's also in the trailing
+   metadata (`FINGERPRINT_TRAILER`);
 2. admit it (`admission`: beyond `max_concurrent + max_queue` handoffs, or `max_inflight_bytes` of
    prefill state and buffers, RESOURCE_EXHAUSTED at once, and the decode side recomputes);
 3. the connector decides the plan (`PrefillConnector.decide`): the planner's choice from the
@@ -29,10 +31,10 @@ import time
 
 import grpc
 
-from rekv_core.connector import Decision, HandoffCall, HandoffReply, SentHandoff
+from rekv_core.connector import Decision, HandoffCall, HandoffReply, ModelMismatch, SentHandoff
 from rekv_core.handoff.transfer import Transfer
 from services import wire_convert
-from services.errors import status_for
+from services.errors import FINGERPRINT_TRAILER, status_for
 from services.metrics import ServiceMetrics
 from services.prefill.worker import PrefillWorker
 from services.rpc import rekv_pb2, rekv_pb2_grpc
@@ -77,7 +79,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                         request.transfer_id, reason, exc)
             if isinstance(exc, asyncio.CancelledError):
                 raise
-            await context.abort(code, str(exc))
+            await context.abort(code, str(exc), _trailers(exc))
         finally:
             if call is not None:
                 worker.connector.ended(call.transfer_id)
@@ -108,6 +110,12 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                  "connected" if connected.connected_now else "already connected",
                  connected.connect_s * 1e3, connected.probe_bytes, connected.probe_s * 1e3)
         return wire_convert.connect_response(connected)
+
+
+def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    if isinstance(exc, ModelMismatch):
+        return ((FINGERPRINT_TRAILER, exc.served),)
+    return ()
 
 
 def _log_handoff(call: HandoffCall, decision: Decision, sent: SentHandoff, total_s: float
@@ -148,7 +156,8 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
     async def drain() -> None:
         await asyncio.to_thread(worker.close)
 
-    extra = {"model": worker.shape.name, "torch_threads": worker.threads}
+    extra = {"model": worker.shape.name, "model_fingerprint": worker.fingerprint.hex,
+             "torch_threads": worker.threads}
     return [rekv_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name], drain, extra
 
 

@@ -61,17 +61,24 @@ def test_any_generate_call_ends_with_ok_or_a_clear_status(pair, request):
 
 
 @CASES
-@given(request=handoff_requests(), address=ADDRESSES)
-def test_any_handoff_call_ends_with_ok_or_a_clear_status(pair, request, address):
-    _, _, prefill = pair
+@given(request=handoff_requests(), address=ADDRESSES, same_model=st.booleans())
+def test_any_handoff_call_ends_with_ok_or_a_clear_status(pair, request, address, same_model):
+    services, _, prefill = pair
     request.offer.ucx_address = address
+    if same_model:  # else the drawn fingerprint: absent, malformed, or another model's
+        request.offer.model_fingerprint = services.prefill.info["model_fingerprint"]
     try:
         prefill.Handoff(request, timeout=60)
     except grpc.RpcError as exc:
         # a call that passed every check fails on the address it named: the peer's failure
-        assert exc.code() in CLEAR | {grpc.StatusCode.UNAVAILABLE}, (exc.code(), exc.details())
+        assert exc.code() in CLEAR | {grpc.StatusCode.UNAVAILABLE,
+                                      grpc.StatusCode.FAILED_PRECONDITION}, (exc.code(),
+                                                                             exc.details())
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
             assert _named(exc.details()), exc.details()
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            assert exc.details().startswith("offer.model_fingerprint: "), exc.details()
+            assert not same_model
 
 
 @CASES
@@ -110,6 +117,7 @@ def test_a_valid_call_naming_a_bad_data_plane_address_gets_a_clear_status(pair, 
     request = rekv_pb2.HandoffRequest(request_id="r", transfer_id="r/1", token_ids=[1, 2, 3],
                                       handoff_key=bytes(32))
     request.offer.model, request.offer.num_layers = "smollm2-135m", 30
+    request.offer.model_fingerprint = pair[0].prefill.info["model_fingerprint"]
     request.offer.ucx_address = address
     with pytest.raises(grpc.RpcError) as error:
         prefill.Handoff(request, timeout=60)

@@ -26,6 +26,8 @@ range; context (dict "root" $ "role" role "config" roleConfig).
   value: {{ include "rekv.prefillAddress" .root | quote }}
 - name: REKV_PREFILL_REFRESH_S
   value: {{ toString $c.prefillRefreshS | quote }}
+- name: REKV_PREFILL_INCOMPATIBLE_S
+  value: {{ toString $c.prefillIncompatibleS | quote }}
 {{- end }}
 - name: REKV_MODEL
   value: {{ include "rekv.modelPath" .root | quote }}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from rekv_core.connector import (BadRequest, DecodeConnector, DecodeOffer, DecodeOptions,
-                                 HandoffCall, HandoffReply, PrefillConnector, PrefillOptions)
+                                 HandoffCall, HandoffReply, ModelMismatch, PrefillConnector,
+                                 PrefillOptions)
 from rekv_core.connector import decode as decode_module
 from rekv_core.handoff import (Action, Delivery, HandoffPlan, HandoffTimings, Order, WireBytes)
 from rekv_core.handoff.transfer import TransferBook
@@ -196,3 +197,26 @@ def test_a_forced_delivery_the_decode_worker_cannot_take_is_refused_by_name():
     with pytest.raises(BadRequest, match="forced_schedule.streamed"):
         connector.check(replace(_call(forced=Delivery(True)), offer=offer))
     assert not connector.decide(replace(_call(), offer=offer)).plan.streamed  # the default
+
+
+def test_an_offer_of_another_model_is_refused_naming_both_fingerprints():
+    mine, theirs = "ab" * 32, "cd" * 32
+    connector = _prefill()
+    connector.options = replace(connector.options, fingerprint=mine)
+    other = replace(_call(), offer=replace(_call().offer, fingerprint=theirs))
+    with pytest.raises(ModelMismatch, match=f"^offer.model_fingerprint: .*{theirs}.*{mine}"):
+        connector.check(other)
+    connector.check(replace(_call(), offer=replace(_call().offer, fingerprint=mine)))
+
+
+def test_the_decode_side_offers_its_fingerprint_and_binds_its_key_to_it(decode):
+    fingerprint = "ef" * 32
+    decode.options = replace(decode.options, fingerprint=fingerprint)
+    assert decode.offer(100, 0, 0).fingerprint == fingerprint
+    pending = decode.begin("r", 100, 4, None, "r/1")
+    try:
+        assert pending.sealing.binding == bytes.fromhex(fingerprint)
+        assert pending.sealing.message_key not in (None, pending.sealing.key)
+    finally:
+        decode.abandon(pending, "test over")
+        decode.end(pending)

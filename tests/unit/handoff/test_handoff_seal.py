@@ -18,10 +18,11 @@ from tests.support.inprocess_handoff import planned
 IDS = list(range(1, 41))
 
 
-def _run(model, action, send_key, receive_key, fault=None, request_id="r1", state=None):
+def _run(model, action, send_key, receive_key, fault=None, request_id="r1", state=None,
+         send_binding=b"", receive_binding=b""):
     state = state or prefill(model, IDS)
     plan, source = planned(model, IDS, action, state)
-    sealing = Sealing(send_key)  # a bad key is refused here, naming it
+    sealing = Sealing(send_key, binding=send_binding)  # a bad key is refused here, naming it
     with InProcessLink(fault=fault) as link:
         link.receiver.open(request_id)
         thread = threading.Thread(target=lambda: _quiet(send_handoff, link.sender, plan,
@@ -29,7 +30,8 @@ def _run(model, action, send_key, receive_key, fault=None, request_id="r1", stat
         thread.start()
         try:
             return state, receive_handoff(model, link.receiver,
-                                          Transfer(request_id, stall_s=3.0), Sealing(receive_key))
+                                          Transfer(request_id, stall_s=3.0),
+                                          Sealing(receive_key, binding=receive_binding))
         finally:
             thread.join()
 
@@ -144,3 +146,17 @@ def test_a_message_sealed_for_another_binding_does_not_verify():
     assert open_message(mine.message_key, seal(mine.message_key, message())).header == b"{}"
     with pytest.raises(SealError, match="MAC"):
         open_message(theirs.message_key, seal(mine.message_key, message()))
+
+
+def test_a_handoff_sealed_for_another_model_fingerprint_does_not_verify(smollm_bf16):
+    """The prefill side seals under the fingerprint of the model it ran: a decode worker of
+    another model rejects the first message, before anything reaches its cache; the same
+    fingerprint on both sides rebuilds the cache."""
+    L = smollm_bf16.shape.num_layers
+    key, theirs, mine = new_key(), bytes.fromhex("aa" * 32), bytes.fromhex("bb" * 32)
+    with pytest.raises(SealError, match="plan: handoff MAC mismatch"):
+        _run(smollm_bf16, Action("bf16", 12, L), key, key, send_binding=theirs,
+             receive_binding=mine)
+    state, result = _run(smollm_bf16, Action("bf16", 12, L), key, key, send_binding=mine,
+                         receive_binding=mine)
+    assert torch.equal(result.logits, state.logits)

@@ -85,6 +85,7 @@ def handoff_requests(draw):
     offer.codecs.extend(draw(st.lists(CODECS, max_size=4)))
     offer.model = draw(st.sampled_from(["smollm2-135m", "qwen3-8b", ""]))
     offer.num_layers = draw(st.sampled_from([L, 0, 36, 2**32 - 1]))
+    offer.model_fingerprint = draw(st.sampled_from(["", "ab" * 32, "AB" * 32, "ab" * 31, "x"]))
     offer.suffix_ms_per_layer, offer.join_ms = draw(FLOATS), draw(FLOATS)
     if draw(st.booleans()):  # absent: not measured
         offer.link_gbps = draw(FLOATS)
@@ -111,6 +112,7 @@ def test_any_handoff_request_converts_or_names_its_field(request):
     if call is None:
         return
     assert len(call.sealing.key) == 32 and call.token_ids and call.transfer_id
+    assert call.sealing.binding == bytes.fromhex(call.offer.fingerprint) and call.offer.fingerprint
     costs = call.offer.costs
     for value in (costs.suffix_ms_per_layer, costs.join_ms, costs.message_ms,
                   *costs.restore_ms_per_mib.values()):

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from services.decode import prefill_pool
-from services.decode.prefill_pool import PrefillPool, resolve
+from services.decode.prefill_pool import NoCompatiblePeer, PrefillPool, resolve
 from services.settings import ServiceSettings, parse_prefill_address
 
 
@@ -63,6 +63,35 @@ def test_least_loaded_then_round_robin_and_down_peers_left_out():
         for peer in pool.peers.values():  # every one down: all are tried again
             peer.down_until = float("inf")
         assert pool.pick().address in pool.peers
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_peer_of_another_model_is_left_out_logged_and_every_one_incompatible_raises(caplog):
+    ours, theirs = "ab" * 32, "cd" * 32
+
+    async def scenario():
+        pool = PrefillPool("127.0.0.1:1,127.0.0.1:2", incompatible_s=60)
+        other, good = pool.peers["127.0.0.1:1"], pool.peers["127.0.0.1:2"]
+        with caplog.at_level("WARNING", logger="rekv.decode.pool"):
+            pool.mark_incompatible(other, theirs, ours)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"prefill pool: 127.0.0.1:1 serves another model (fingerprint {theirs}, this "
+            f"worker's {ours}); left out for 60 s"]
+        assert pool.incompatible() == {"127.0.0.1:1": True, "127.0.0.1:2": False}
+        for _ in range(4):
+            peer = pool.pick()
+            assert peer is good
+            pool.report(peer, reported_queue=0)
+        good.down_until = float("inf")  # down, but the one that serves this model
+        assert pool.pick() is good
+        pool.report(good, reported_queue=0)
+        pool.mark_incompatible(good, theirs, ours)
+        with pytest.raises(NoCompatiblePeer, match="every replica serves another model"):
+            pool.pick()
+        other.incompatible_until = time.monotonic() - 1  # its while is over: tried again
+        assert pool.pick() is other and pool.incompatible()["127.0.0.1:1"] is False
         await pool.close()
 
     asyncio.run(scenario())

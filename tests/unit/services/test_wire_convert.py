@@ -11,6 +11,7 @@ from services.calls import ConnectCall
 from services.errors import InvalidArgument
 
 L = 30
+FINGERPRINT = "0123456789abcdef" * 4
 
 
 def _call(link_gbps=0.25, suffix_scale=1.3, **offer_changes) -> HandoffCall:
@@ -23,10 +24,11 @@ def _call(link_gbps=0.25, suffix_scale=1.3, **offer_changes) -> HandoffCall:
                         suffix_scale=suffix_scale)
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
-                 computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}))
+                 computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}),
+                 fingerprint=FINGERPRINT)
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
-                       Sealing(bytes(range(32)), encrypted=True),
+                       Sealing(bytes(range(32)), True, bytes.fromhex(FINGERPRINT)),
                        forced_delivery=Delivery(True, 256, Order.TOKENS))
 
 
@@ -85,6 +87,11 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: setattr(r.offer, "link_gbps", float("inf")), "offer.link_gbps"),
     (lambda r: setattr(r.offer, "link_gbps", -1.0), "offer.link_gbps"),
     (lambda r: setattr(r, "handoff_key", b"short"), "handoff_key"),
+    (lambda r: r.offer.ClearField("model_fingerprint"), "offer.model_fingerprint: required"),
+    (lambda r: setattr(r.offer, "model_fingerprint", FINGERPRINT.upper()),
+     "offer.model_fingerprint: must be 64"),
+    (lambda r: setattr(r.offer, "model_fingerprint", FINGERPRINT[1:]),
+     "offer.model_fingerprint: must be 64"),
     (lambda r: r.offer.planned_transfers.extend(["t"] * 5000), "offer.planned_transfers"),
 ])
 def test_a_malformed_call_names_its_field(change, field):
