@@ -33,21 +33,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rekv_core.connector import CanaryJudge, CanaryResult, canary_steps
 from rekv_core.handoff import Action
 from rekv_core.model import KVCache, Model
 from services.decode.worker import DecodeWorker
-from services.metrics import BUCKETS
+from services.metrics import CanaryMetrics
 
 log = logging.getLogger("rekv.decode.canary")
 
 MAX_PENDING = 2  # sampled checks waiting (each holds its request's cache)
 MAX_WAIT_S = 60.0  # a check that has not found the worker idle for this long is dropped
 POLL_S = 0.01  # how often a waiting check looks whether the worker is idle
-KL_BUCKETS = (1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
-SHARE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 def worker_idle(requests: int, computing: int) -> bool:
@@ -76,32 +73,12 @@ class _Job:
     queued: float  # monotonic
 
 
-class CanaryMetrics:
-    def __init__(self, registry: CollectorRegistry):
-        labels = ["codec", "cut"]
-        self.checks = Counter("rekv_canary_checks", "Canary checks of lossy handoffs by outcome: "
-                              "agree, disagree, or skipped (not_sampled, busy)",
-                              [*labels, "outcome"], registry=registry)
-        self.kl = Histogram("rekv_canary_kl_divergence", "KL(reference || lossy) at the first "
-                            "decoded position, nats", labels, buckets=KL_BUCKETS,
-                            registry=registry)
-        self.agreement = Histogram(
-            "rekv_canary_top1_agreement_ratio", "Share of a check's positions (the first token, "
-            "the first decoded position, the continuation) whose top-1 agrees", labels,
-            buckets=SHARE_BUCKETS, registry=registry)
-        self.window = Gauge("rekv_canary_window_agreement_ratio", "Top-1 agreement over the "
-                            "positions of the action's last canary_window checks", labels,
-                            registry=registry)
-        self.seconds = Histogram("rekv_canary_seconds", "Compute of one canary check",
-                                 buckets=BUCKETS, registry=registry)
-
-
 class Canary:
     def __init__(self, model: Model, settings: CanarySettings, judge: CanaryJudge,
-                 registry: CollectorRegistry, idle: Callable[[], bool],
+                 metrics: CanaryMetrics, idle: Callable[[], bool],
                  rng: random.Random | None = None):
         self.model, self.settings, self.judge, self.idle = model, settings, judge, idle
-        self.metrics = CanaryMetrics(registry)
+        self.metrics = metrics
         self.rng = rng or random.Random()
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=MAX_PENDING)
         self._closed = threading.Event()
@@ -199,4 +176,4 @@ def build_canary(worker: DecodeWorker, requests: Callable[[], int]) -> Canary:
     load = worker.connector.load
     return Canary(worker.model, CanarySettings(s.canary_fraction, s.canary_continuation),
                   CanaryJudge.for_model(worker.shape.name, s.policy, s.canary_window),
-                  worker.metrics.registry, lambda: worker_idle(requests(), load.computing()))
+                  worker.metrics.canary, lambda: worker_idle(requests(), load.computing()))

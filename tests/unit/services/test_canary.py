@@ -13,13 +13,17 @@ from rekv_core.handoff import Action
 from rekv_core.model import KVCache, prefill
 from services.decode import canary as canary_module
 from services.decode.canary import Canary, CanarySettings, is_lossy, worker_idle
+from services.metrics import CanaryMetrics
 
 PROMPT = "The pass key is 31415. Remember it. 31415 is the pass key. What is the pass key? It is"
 INT8 = Action("int8", 20, 30)
 
 
-def _judge(window: int = 20) -> CanaryJudge:  # no policy: the gate's criterion, 1.0
-    return CanaryJudge(None, window)
+def _canary(model, registry: CollectorRegistry, idle, fraction: float = 1.0, window: int = 20,
+            continuation: int = 4, rng=None) -> Canary:
+    """A canary judged by the gate's criterion (no policy: 1.0)."""
+    return Canary(model, CanarySettings(fraction, continuation), CanaryJudge(None, window),
+                  CanaryMetrics(registry), idle, rng)
 
 
 class _Draws:
@@ -76,8 +80,8 @@ def test_idle_means_no_request_and_nothing_computing():
 def test_a_fraction_of_lossy_handoffs_is_sampled(smollm_bf16, handed):
     registry = CollectorRegistry()
     idle = threading.Event()  # never idle: the queued checks wait
-    canary = Canary(smollm_bf16, CanarySettings(fraction=0.25), _judge(), registry, idle.is_set,
-                    rng=_Draws(0.9, 0.1, 0.3, 0.2, 0.05))
+    canary = _canary(smollm_bf16, registry, idle.is_set, fraction=0.25,
+                     rng=_Draws(0.9, 0.1, 0.3, 0.2, 0.05))
     try:
         ids, cache, logits = handed()
         assert not canary.offer(Action("bf16", 20, 30), False, ids, cache, logits)  # no draw
@@ -87,8 +91,7 @@ def test_a_fraction_of_lossy_handoffs_is_sampled(smollm_bf16, handed):
         assert _count(registry, "not_sampled") == 2 and _count(registry, "busy") == 1
     finally:
         canary.close()
-    off = Canary(smollm_bf16, CanarySettings(fraction=0.0), _judge(), CollectorRegistry(),
-                 lambda: True)
+    off = _canary(smollm_bf16, CollectorRegistry(), lambda: True, fraction=0.0)
     assert not off.offer(INT8, False, *handed())
     off.close()
 
@@ -111,8 +114,7 @@ class _Gate:
 def test_a_check_waits_for_idle_and_stops_when_a_request_arrives(smollm_bf16, handed):
     registry = CollectorRegistry()
     gate = _Gate()
-    canary = Canary(smollm_bf16, CanarySettings(fraction=1.0, continuation=4), _judge(), registry,
-                    gate)
+    canary = _canary(smollm_bf16, registry, gate)
     try:
         assert canary.offer(INT8, False, *handed())
         time.sleep(0.3)
@@ -135,7 +137,7 @@ def test_a_check_waits_for_idle_and_stops_when_a_request_arrives(smollm_bf16, ha
 def test_a_check_never_idle_in_time_is_dropped_as_busy(smollm_bf16, handed, monkeypatch):
     monkeypatch.setattr(canary_module, "MAX_WAIT_S", 0.1)
     registry = CollectorRegistry()
-    canary = Canary(smollm_bf16, CanarySettings(fraction=1.0), _judge(), registry, lambda: False)
+    canary = _canary(smollm_bf16, registry, lambda: False)
     try:
         assert canary.offer(INT8, False, *handed())
         _wait_for(lambda: _count(registry, "busy") == 1, timeout_s=10)
@@ -146,8 +148,7 @@ def test_a_check_never_idle_in_time_is_dropped_as_busy(smollm_bf16, handed, monk
 
 def test_a_broken_codec_is_flagged_once_its_window_fills(smollm_bf16, handed, caplog):
     registry = CollectorRegistry()
-    canary = Canary(smollm_bf16, CanarySettings(fraction=1.0, continuation=4), _judge(window=2),
-                    registry, lambda: True)
+    canary = _canary(smollm_bf16, registry, lambda: True, window=2)
     caplog.set_level(logging.INFO, logger="rekv.decode.canary")
     try:
         for expected in (1, 2):
