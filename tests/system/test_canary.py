@@ -39,60 +39,56 @@ def services(tmp_path_factory):
     assert pair.stop() == {"decode": 0, "prefill": 0}
 
 
-def _checks(pair: ServicePair, action: tuple[str, int]) -> dict[str, float]:
+def _scrape(pair: ServicePair) -> str:
     with urllib.request.urlopen(pair.metrics_url("decode")) as response:
-        text = response.read().decode()
+        return response.read().decode()
+
+
+def _checks(text: str, action: tuple[str, int]) -> dict[str, float]:
     codec, cut = action
     return {outcome: float(value) for outcome, value in re.findall(
         rf'^rekv_canary_checks_total\{{codec="{codec}",cut="{cut}",outcome="(\w+)"\}} (\S+)$',
         text, re.M)}
 
 
-def _kl_sum(pair: ServicePair, action: tuple[str, int]) -> float:
-    with urllib.request.urlopen(pair.metrics_url("decode")) as response:
-        text = response.read().decode()
-    codec, cut = action
-    found = re.search(rf'^rekv_canary_kl_divergence_sum\{{codec="{codec}",cut="{cut}"\}} (\S+)$',
-                      text, re.M)
-    return float(found.group(1))
-
-
-def _judged(pair: ServicePair, action: tuple[str, int], count: int) -> dict[str, float]:
+def _window(pair: ServicePair, channel, name: str, action: tuple[str, int]
+            ) -> tuple[dict[str, float], float]:
+    """`WINDOW` requests at `action` named `name/i`; once the canary judged them all, the checks
+    by outcome and the KL summed over them."""
+    for index in range(WINDOW):
+        result = generate(channel, f"{name}/{index}", passkey_prompt(31415 + 1111 * index, 3, 0.5),
+                          NEW_TOKENS, forced_action=action, timeout=120)
+        assert len(result.token_ids) == NEW_TOKENS and not result.summary.fallback
     deadline = time.monotonic() + 180
     while True:
-        checks = _checks(pair, action)
-        if checks.get("agree", 0) + checks.get("disagree", 0) >= count:
-            return checks
+        text = _scrape(pair)
+        checks = _checks(text, action)
+        if checks.get("agree", 0) + checks.get("disagree", 0) >= WINDOW:
+            break
         assert time.monotonic() < deadline, f"the canary judged {checks} of {action}"
         time.sleep(0.2)
-
-
-def _send(channel, name: str, key: int, action: tuple[str, int]):
-    result = generate(channel, name, passkey_prompt(key, 3, 0.5), NEW_TOKENS,
-                      forced_action=action, timeout=120)
-    assert len(result.token_ids) == NEW_TOKENS and not result.summary.fallback
-    return result
+    codec, cut = action
+    kl = re.search(rf'^rekv_canary_kl_divergence_sum\{{codec="{codec}",cut="{cut}"\}} (\S+)$',
+                   text, re.M)
+    return checks, float(kl.group(1))
 
 
 def test_a_healthy_codec_agrees(services):
     pair, channel = services
-    for index in range(WINDOW):
-        _send(channel, f"healthy-{index}", 31415 + 1111 * index, HEALTHY)
-    checks = _judged(pair, HEALTHY, WINDOW)
-    assert checks == {"agree": WINDOW}
-    assert _kl_sum(pair, HEALTHY) < 0.05 * WINDOW
-    _send(channel, "lossless", 27182, ("bf16", 20))  # lossless: never checked
-    assert _checks(pair, ("bf16", 20)) == {}
+    checks, kl = _window(pair, channel, "healthy", HEALTHY)
+    assert checks == {"agree": WINDOW} and kl < 0.05 * WINDOW
+    lossless = generate(channel, "lossless", passkey_prompt(27182, 3, 0.5), NEW_TOKENS,
+                        forced_action=("bf16", 20), timeout=120)
+    assert lossless.summary.action.codec == "bf16"
+    time.sleep(1.0)
+    assert _checks(_scrape(pair), ("bf16", 20)) == {}  # lossless: never checked
     assert "canary: int8/20" not in pair.decode.log_path.read_text()
 
 
 def test_a_broken_codec_is_flagged(services):
     pair, channel = services
-    for index in range(WINDOW):
-        _send(channel, f"coarse_codec/{index}", 31415 + 1111 * index, BROKEN)
-    checks = _judged(pair, BROKEN, WINDOW)
-    assert checks == {"disagree": WINDOW}
-    assert _kl_sum(pair, BROKEN) > 0.1 * WINDOW
+    checks, kl = _window(pair, channel, "coarse_codec", BROKEN)
+    assert checks == {"disagree": WINDOW} and kl > 0.1 * WINDOW
     log = pair.decode.log_path.read_text()
     assert re.search(r"WARNING.*canary: int8/29 top-1 agreement \S+ over the last 3 checks is "
                      r"below the gate's", log), log[-3000:]
