@@ -14,6 +14,7 @@ from rekv_core.model import KVCache, prefill
 from services.decode import canary as canary_module
 from services.decode.canary import Canary, CanarySettings, is_lossy, worker_idle
 from services.metrics import CanaryMetrics
+from services.settings import ServiceSettings
 
 PROMPT = "The pass key is 31415. Remember it. 31415 is the pass key. What is the pass key? It is"
 INT8 = Action("int8", 20, 30)
@@ -166,3 +167,14 @@ def test_a_broken_codec_is_flagged_once_its_window_fills(smollm_bf16, handed, ca
         assert any("is back within the gate's" in r.getMessage() for r in caplog.records)
     finally:
         canary.close()
+
+
+@pytest.mark.parametrize("field, value", [("canary_fraction", 1.5), ("canary_fraction", -0.1),
+                                          ("canary_window", 0), ("canary_continuation", -1)])
+def test_bad_canary_settings_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=field):
+        ServiceSettings(role="decode", prefill_address="127.0.0.1:1", plaintext=True,
+                        **{field: value})
+    settings = ServiceSettings.from_args("decode", ["--prefill-address", "127.0.0.1:1",
+                                                    "--plaintext", "true"])
+    assert (settings.canary_fraction, settings.canary_window) == (0.02, 20)
