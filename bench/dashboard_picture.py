@@ -99,7 +99,9 @@ def running_stack(workdir: Path, threads: int = 1) -> Iterator[Stack]:
         workdir / "orphan")
     pair = prometheus = None
     try:
-        pair = ServicePair(args, args, log_dir=workdir / "services", ready_timeout=120)
+        # every lossy handoff checked by the quality canary, so that its panels have figures
+        pair = ServicePair(args, [*args, "--canary-fraction", "1"], log_dir=workdir / "services",
+                           ready_timeout=120)
         orphan.wait_ready(120)
         prometheus = Prometheus(
             {"rekv-decode": [pair.decode.info["metrics"], orphan.info["metrics"]],

@@ -28,6 +28,8 @@ from rekv_core.plan.evidence import HandoffObservation
 
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 BYTE_KINDS = ("boundary", "prefix", "scales", "tokens", "head")
+KL_BUCKETS = (1e-5, 1e-4, 1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+SHARE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
 
 class ServiceMetrics:
@@ -90,6 +92,7 @@ class ServiceMetrics:
                            "versions)", ["model", "fingerprint"], registry=r)
         self._incompatible = _IncompatiblePeers(dict)
         r.register(self._incompatible)
+        self.canary = CanaryMetrics(r) if role == "decode" else None
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
@@ -164,3 +167,23 @@ class _IncompatiblePeers:
         for address, incompatible in sorted(self.peers().items()):
             family.add_metric([address], 1.0 if incompatible else 0.0)
         yield family
+class CanaryMetrics:
+    """The decode worker's quality canary (services/decode/canary.py), per action."""
+
+    def __init__(self, registry: CollectorRegistry):
+        labels = ["codec", "cut"]
+        self.checks = Counter("rekv_canary_checks", "Canary checks of lossy handoffs by outcome: "
+                              "agree, disagree, or skipped (not_sampled, busy)",
+                              [*labels, "outcome"], registry=registry)
+        self.kl = Histogram("rekv_canary_kl_divergence", "KL(reference || lossy) at the first "
+                            "decoded position, nats", labels, buckets=KL_BUCKETS,
+                            registry=registry)
+        self.agreement = Histogram(
+            "rekv_canary_top1_agreement_ratio", "Share of a check's positions (the first token, "
+            "the first decoded position, the continuation) whose top-1 agrees", labels,
+            buckets=SHARE_BUCKETS, registry=registry)
+        self.window = Gauge("rekv_canary_window_agreement_ratio", "Top-1 agreement over the "
+                            "positions of the action's last canary_window checks", labels,
+                            registry=registry)
+        self.seconds = Histogram("rekv_canary_seconds", "Compute of one canary check",
+                                 buckets=BUCKETS, registry=registry)

@@ -30,7 +30,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "flip_late_bit",
-          "replay")
+          "replay", "coarse_codec")
 BY_REQUEST = "by_request"
 
 
@@ -110,6 +110,12 @@ class ServiceSettings(RuntimeSettings):
     # hold_* points hold it for fault_hold_s
     fault_inject: str = ""
     fault_hold_s: float = 30.0
+    # decode: the live quality canary (services/decode/canary.py): the fraction of lossy handoffs
+    # checked against the prompt recomputed here while the worker is idle (0: off), the checks
+    # per action their top-1 agreement is judged over, and the greedy tokens compared
+    canary_fraction: float = 0.02
+    canary_window: int = 20
+    canary_continuation: int = 8
     shutdown_grace_s: float = 10.0  # in-flight requests may finish within this on SIGTERM
     ready_file: str = ""  # when set: JSON with the bound ports, written once serving
     # Mutual TLS on the gRPC planes (PEM files): this worker's certificate and key, and the CA
@@ -170,6 +176,13 @@ class ServiceSettings(RuntimeSettings):
                              f"empty), got {self.fault_inject!r}")
         if self.handoff_timeout_s <= 0:
             raise ValueError(f"handoff_timeout_s: must be > 0, got {self.handoff_timeout_s}")
+        if not 0 <= self.canary_fraction <= 1:
+            raise ValueError(f"canary_fraction: must lie in [0, 1], got {self.canary_fraction}")
+        if self.canary_window < 1:
+            raise ValueError(f"canary_window: must be >= 1, got {self.canary_window}")
+        if self.canary_continuation < 0:
+            raise ValueError(f"canary_continuation: must be >= 0, got "
+                             f"{self.canary_continuation}")
         if self.fault_hold_s < 0:
             raise ValueError(f"fault_hold_s: must be >= 0, got {self.fault_hold_s}")
         chunk_bounds(1, self.boundary_chunk_tokens)  # ValueError naming boundary_chunk_tokens

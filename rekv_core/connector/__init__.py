@@ -36,8 +36,11 @@ from rekv_core.connector.calls import (BadRequest, Busy, DecodeOffer, HandoffCal
                                        HandoffReply, ModelMismatch)
 from rekv_core.connector.decode import DecodeConnector, DecodeOptions, Learned, PendingHandoff
 from rekv_core.connector.prefill import PrefillConnector, PrefillOptions, SentHandoff
+from rekv_core.plan.canary import (CanaryJudge, CanaryResult,  # the decode side's quality canary
+                                   canary_steps)
 from rekv_core.plan.planner import Decision  # what `PrefillConnector.decide` returns
 
-__all__ = ["BadRequest", "Busy", "Decision", "DecodeConnector", "DecodeOffer", "DecodeOptions",
-           "HandoffCall", "HandoffReply", "Learned", "ModelMismatch", "PendingHandoff",
-           "PrefillConnector", "PrefillOptions", "SentHandoff"]
+__all__ = ["BadRequest", "Busy", "CanaryJudge", "CanaryResult", "Decision", "DecodeConnector",
+           "DecodeOffer", "DecodeOptions", "HandoffCall", "HandoffReply", "Learned",
+           "ModelMismatch", "PendingHandoff", "PrefillConnector", "PrefillOptions", "SentHandoff",
+           "canary_steps"]

@@ -11,7 +11,8 @@ A call's life cycle:
    the prompt here from its token ids (or fail fast, as set): never decode from a broken cache,
    and say so in the summary;
 7. decode `max_new_tokens` (greedy or seeded sampling), streaming each token;
-8. end the stream with the summary.
+8. end the stream with the summary; a sampled lossy handoff's cache then goes to the quality
+   canary (`canary`), which checks it in the background while this worker is idle.
 A passed deadline ends the call with DEADLINE_EXCEEDED, a cancel with CANCELLED; the transfer is
 then aborted, which drains whatever the prefill side still sends.
 """
@@ -27,6 +28,7 @@ import grpc
 from rekv_core.model.sampling import Sampler
 from services import tls, wire_convert
 from services.calls import Completion, GenerateCall
+from services.decode.canary import build_canary
 from services.decode.handoff import Handed, Handoffs
 from services.decode.connect_ahead import ConnectAhead
 from services.decode.prefill_pool import PrefillPool
@@ -47,6 +49,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         self.handoffs = Handoffs(worker, prefill_pool)
         self.slots = asyncio.Semaphore(worker.settings.max_concurrent)
         self.queue = 0
+        self.canary = build_canary(worker, lambda: self.queue)
 
     async def Generate(self, request, context):
         arrived = time.perf_counter()
@@ -110,6 +113,7 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,
                           handed.report)
         h = handed.report
+        self.canary.offer(h.action, h.fallback, ids, handed.cache, handed.logits)
         log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f delivery=%s "
                  "predicted_ms=%.1f send_ms=%.1f ttft_ms=%.1f new_tokens=%d fallback=%s "
                  "request_ms=%.1f link_sample_gbps=%.3f link_gbps=%.3f prefill_link_gbps=%.3f",
@@ -133,6 +137,7 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
 
     async def drain() -> None:
         await pool.close()
+        await asyncio.to_thread(servicer.canary.close)
         await asyncio.to_thread(worker.close)
 
     extra = {"model": worker.shape.name, "model_fingerprint": worker.fingerprint.hex,

@@ -20,6 +20,9 @@ none, so that one process serves every kind of fault in turn.
 - `replay`: send, in place of this handoff's boundary, the boundary of the previous handoff this
   worker sent, re-addressed to this handoff's request and place (a replay by someone who can
   rewrite frames but not forge MACs); with no previous handoff it is sent unchanged.
+- `coarse_codec`: a broken codec setting: the prefix codec encodes every layer's K and V rounded
+  to five levels per tensor first (`decision_for`), so the handoff arrives sealed, checksummed and
+  valid but far from the prefill's cache: what the quality canary must flag.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ import dataclasses
 import logging
 import threading
 
+import torch
+
+from rekv_core.codecs import Codec, EncodeContext, EncodedKV
+from rekv_core.connector import Decision
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name, layer_rows_name
 from rekv_core.transport import Message, TransportSender
@@ -53,6 +60,15 @@ class Faults:
     def at_negotiation(self, request_id: str, transfer: Transfer) -> None:
         if self.fault_for(request_id) == "hold_negotiation":
             self.hold(request_id, transfer, "negotiation")
+
+    def decision_for(self, request_id: str, decision: Decision) -> Decision:
+        """The decision to send: with `coarse_codec`, its plan's codec coarsened (logged)."""
+        if not self.fault or self.fault_for(request_id) != "coarse_codec":
+            return decision
+        log.warning("fault injection: coarsening %s's prefix codec %s", request_id,
+                    decision.plan.codec.name)
+        plan = dataclasses.replace(decision.plan, codec=_CoarseCodec(decision.plan.codec))
+        return dataclasses.replace(decision, plan=plan)
 
     def for_handoff(self, request_id: str, transfer: Transfer, cut: int,
                     sender: TransportSender) -> _HandoffFaults | None:
@@ -114,3 +130,23 @@ class _HandoffFaults:
     def _hold(self, name: str) -> None:
         point = "boundary" if name in (BOUNDARY, TOKENS) else "prefix"
         self.faults.hold(self.request_id, self.transfer, point)
+
+
+def coarsened(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to the five levels -m, -m/2, 0, m/2, m (m: its largest magnitude)."""
+    step = t.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny) / 2
+    return ((t.float() / step).round() * step).to(t.dtype)
+
+
+class _CoarseCodec:
+    """`inner`, encoding coarsened K and V (`coarse_codec`); everything else is `inner`'s."""
+
+    def __init__(self, inner: Codec):
+        self._inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True,
+               context: EncodeContext = EncodeContext()) -> EncodedKV:
+        return self._inner.encode(coarsened(k), coarsened(v), checksums, context)

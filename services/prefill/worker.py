@@ -57,6 +57,7 @@ class PrefillWorker(Worker):
         sender = self.senders.to(call.offer.address)
         self.faults.at_negotiation(call.request_id, transfer)
         hooks = self.faults.for_handoff(call.request_id, transfer, decision.action.cut, sender)
+        decision = self.faults.decision_for(call.request_id, decision)
         try:
             return self.connector.send(call, decision, sender, transfer, hooks)
         except TransportError:

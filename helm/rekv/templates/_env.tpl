@@ -28,6 +28,12 @@ range; context (dict "root" $ "role" role "config" roleConfig).
   value: {{ toString $c.prefillRefreshS | quote }}
 - name: REKV_PREFILL_INCOMPATIBLE_S
   value: {{ toString $c.prefillIncompatibleS | quote }}
+- name: REKV_CANARY_FRACTION
+  value: {{ toString $c.canaryFraction | quote }}
+- name: REKV_CANARY_WINDOW
+  value: {{ int $c.canaryWindow | quote }}
+- name: REKV_CANARY_CONTINUATION
+  value: {{ int $c.canaryContinuation | quote }}
 {{- end }}
 - name: REKV_MODEL
   value: {{ include "rekv.modelPath" .root | quote }}

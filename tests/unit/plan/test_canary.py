@@ -1,0 +1,129 @@
+"""The canary's check against a recomputed reference, its window and the gate's threshold."""
+
+import pytest
+import torch
+
+from rekv_core.eval.needle import passkey_prompt
+from rekv_core.handoff import Action
+from rekv_core.model import KVCache, prefill
+from rekv_core.plan.canary import (GATE_TOP1_AGREEMENT, AgreementWindow, CanaryJudge,
+                                   CanaryResult, agreement_threshold, canary_steps, upper_bound)
+from rekv_core.plan.policy import shipped_policy
+
+PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+
+
+def _run(steps) -> tuple[int, object]:
+    count = 0
+    while True:
+        try:
+            next(steps)
+            count += 1
+        except StopIteration as done:
+            return count, done.value
+
+
+def _handed(model, ids, extra: int, damage=None):
+    """The cache and first logits a handoff would give; `damage(layer, t)` changes layers."""
+    out = prefill(model, ids, boundaries=())
+    keys, values = list(out.keys), list(out.values)
+    if damage is not None:
+        keys = [damage(i, k) for i, k in enumerate(keys)]
+        values = [damage(i, v) for i, v in enumerate(values)]
+    return KVCache.from_layers(keys, values, len(ids) + extra), out.logits
+
+
+def test_an_exact_cache_agrees_everywhere(smollm_bf16, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    cache, logits = _handed(smollm_bf16, ids, extra=12)
+    cache.length += 5  # the request decoded from it: the check starts again at the prompt's end
+    count, result = _run(canary_steps(smollm_bf16, ids, cache, logits, continuation=6))
+    assert result.agrees and result.first_token_agrees
+    assert (result.agreeing, result.positions) == (8, 8)  # first token, first decoded, 6 more
+    assert result.kl == pytest.approx(0.0, abs=1e-6)
+    # one step per layer of each chunk, then the decode steps: a caller can stop between them
+    assert count == smollm_bf16.shape.num_layers + 7
+
+
+def test_a_broken_prefix_is_flagged(smollm_bf16, tokenizer):
+    ids = tokenizer.encode(passkey_prompt(31415, 3, 0.5))
+    cut = 29
+
+    def damage(layer, t):  # the prefix layers at five levels: `coarse_codec`'s damage
+        if layer >= cut:
+            return t
+        step = t.abs().amax().float() / 2
+        return ((t.float() / step).round() * step).to(t.dtype)
+
+    cache, logits = _handed(smollm_bf16, ids, extra=8, damage=damage)
+    _, result = _run(canary_steps(smollm_bf16, ids, cache, logits, continuation=7))
+    assert result.first_token_agrees  # the first token came from the exact suffix
+    assert not result.agrees and result.agreement < 0.75
+    assert result.kl > 0.1
+    healthy, logits = _handed(smollm_bf16, ids, extra=8)
+    _, exact = _run(canary_steps(smollm_bf16, ids, healthy, logits, continuation=7))
+    assert exact.agrees and exact.kl < 1e-3  # BF16 rounding: extend in one pass vs steps
+
+
+def test_the_continuation_fits_the_cache_and_can_be_off(smollm_bf16, tokenizer):
+    ids = tokenizer.encode(PROMPT)
+    cache, logits = _handed(smollm_bf16, ids, extra=3)
+    _, result = _run(canary_steps(smollm_bf16, ids, cache, logits, continuation=10))
+    assert result.agrees and result.positions == 1 + 3  # as far as the cache has room
+    cache, logits = _handed(smollm_bf16, ids, extra=3)
+    _, result = _run(canary_steps(smollm_bf16, ids, cache, logits, continuation=0))
+    assert result.positions == 2  # the first token and the first decoded position
+    with pytest.raises(ValueError, match="lossy"):
+        next(canary_steps(smollm_bf16, ids + ids, cache, logits, continuation=4))
+
+
+def _check(agreeing: int, positions: int = 10, kl: float = 0.0) -> CanaryResult:
+    return CanaryResult(True, agreeing, positions, kl)
+
+
+def test_the_window_is_judged_once_full_and_reports_each_crossing():
+    window = AgreementWindow(3, threshold=0.99)
+    assert window.add(_check(10)) is None and window.add(_check(2, kl=0.3)) is None  # not full
+    dropped = window.add(_check(10))
+    assert dropped is not None and dropped.below
+    assert dropped.agreement == pytest.approx(22 / 30) and dropped.mean_kl == pytest.approx(0.1)
+    assert window.add(_check(3)) is None  # still below: said once
+    assert window.add(_check(10)) is None and window.add(_check(10)) is None  # 3 of 30 differ
+    recovered = window.add(_check(10))
+    assert recovered is not None and not recovered.below and recovered.agreement == 1.0
+    with pytest.raises(ValueError, match="size"):
+        AgreementWindow(0, 1.0)
+
+
+def test_a_rare_disagreement_at_the_gates_rate_is_not_a_drop():
+    # the gate measured 0.997 for int8: one position in 200 differing is within that
+    window = AgreementWindow(20, threshold=0.997)
+    changes = [window.add(_check(9 if i == 7 else 10)) for i in range(20)]
+    assert changes == [None] * 20 and window.agreement == pytest.approx(199 / 200)
+    assert upper_bound(199, 200) > 0.997 > upper_bound(190, 200)
+    assert upper_bound(5, 5) == pytest.approx(1.0) and upper_bound(0, 5) < 0.5
+
+
+def test_the_threshold_is_what_the_gate_measured():
+    policy = shipped_policy("smollm2-135m")
+    layers = 30
+    figure = {(v["codec"], v["cut"]): v["continuation_top1_agreement"] for v in policy.verdicts}
+    assert agreement_threshold(policy, Action("int8", 20, layers)) == figure["int8", 24]
+    assert agreement_threshold(policy, Action("int4", 6, layers)) == figure["int4", 6] < 1.0
+    assert agreement_threshold(policy, Action("splitzip", 3, layers)) == 1.0
+    assert agreement_threshold(None, Action("int4", 6, layers)) == GATE_TOP1_AGREEMENT == 1.0
+
+
+def test_the_judge_keeps_a_window_per_action_under_the_models_policy(tmp_path):
+    judge = CanaryJudge.for_model("smollm2-135m", "", window=1)
+    int4, int8 = Action("int4", 6, 30), Action("int8", 6, 30)
+    window, change = judge.add(int4, CanaryResult(True, 99, 100, 0.01))
+    assert window.threshold == agreement_threshold(judge.policy, int4) < 1.0
+    assert change is None  # 0.99 is within what the gate measured for int4 at cut 6
+    window, change = judge.add(int8, CanaryResult(True, 50, 100, 0.5))
+    assert change is not None and change.below
+    other = shipped_policy("smollm2-135m")
+    other.model = "qwen2.5-7b"
+    other.save(tmp_path / "policy.json")
+    with pytest.raises(ValueError, match="policy: written for qwen2.5-7b"):
+        CanaryJudge.for_model("smollm2-135m", str(tmp_path / "policy.json"), window=1)
