@@ -23,6 +23,7 @@ from rekv_core import streams
 from rekv_core.codecs import EncodedKV
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import Sealing, decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
@@ -40,9 +41,10 @@ class Inbound:
         self.arrivals: list[Arrival] = []
 
     def next(self) -> Message:
-        key = self.sealing.message_key
-        message = open_message(key, self.transport.recv(self.request_id, self.transfer.wait_s()))
-        if self.sealing.encrypted:
+        key, encrypted = self.sealing.message_key, self.sealing.encrypted
+        message = open_message(key, self.transport.recv(self.request_id, self.transfer.wait_s()),
+                               Protection.AEAD if encrypted else None)
+        if encrypted:
             message = decrypt(key, message)
         if message.arrival is not None:
             self.arrivals.append(message.arrival)

@@ -12,8 +12,9 @@ rows as soon as the chunk has reached the cut, then its rows of each prefix laye
 their own; for transfer-only, the last position's final hidden state last. It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
-message and gives up what it posted. Every message is sealed with the handoff's key and carries
-checksums of its buffers (`seal`).
+message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
+over its header and bytes, or AES-GCM when encrypted) and carries checksums of its buffers
+(`seal`).
 
 On CUDA the encoding runs on a stream of its own that waits for the caller's stream (where the
 prefill runs) before each layer, and every message carries the `ready` event of its buffers
@@ -35,6 +36,7 @@ from rekv_core.codecs import EncodeContext
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.boundary import chunk_codebook, encode_chunk
 from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import Sealing, encrypt, seal, with_checksums
 from rekv_core.handoff.source import ChunkedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
@@ -120,13 +122,13 @@ class _Posting:
         buffers = buffers or {}
         header = with_checksums(buffers) if header is None else header
         message = Message(self.request_id, self.seq, name, header, buffers)
-        key = self.sealing.message_key
+        key, protection = self.sealing.message_key, None
         if self.sealing.encrypted:  # on the host: a copy from the device waits for its producer
             message.buffers = {n: b.cpu() for n, b in buffers.items()}
-            message = encrypt(key, message)
+            message, protection = encrypt(key, message), Protection.AEAD
         else:
             message.ready = streams.record_ready(buffers.values())
-        message = seal(key, message)
+        message = seal(key, message, protection)
         if self.hooks is not None:
             message = self.hooks.before_send(message)
         self.transport.send(message)
