@@ -117,7 +117,7 @@ def words_of(buffer: torch.Tensor) -> torch.Tensor:
 def _level(items: torch.Tensor, table: torch.Tensor, wide: bool) -> torch.Tensor:
     """One level: every block's partial, in blocks of `_CHUNK_BLOCKS` to bound memory."""
     pad = (-items.numel()) % BLOCK
-    blocks = torch.cat((items, items.new_zeros(pad))).view(-1, BLOCK)
+    blocks = (torch.cat((items, items.new_zeros(pad))) if pad else items).view(-1, BLOCK)
     out = []
     for start in range(0, blocks.shape[0], _CHUNK_BLOCKS):
         block = blocks[start:start + _CHUNK_BLOCKS]
