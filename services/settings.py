@@ -29,7 +29,8 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
-FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "replay")
+FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "forge_checksum",
+          "replay")
 BY_REQUEST = "by_request"
 
 
