@@ -34,7 +34,7 @@ P61 = (1 << 61) - 1
 BLOCK = 512  # items per block at every level: 512 · (2^53 + 2^50) < 2^63
 LIMB_BITS = 21
 LIMBS = 3
-MAX_LEVELS = 6  # 512^6 words: far past the 2^31 bytes a buffer may hold
+MAX_LEVELS = 4  # 512^4 words (256 GiB): far past the 2^31 bytes a buffer may hold
 LOW32 = 0xFFFFFFFF
 _CHUNK_BLOCKS = 2048  # the reference's blocks per step, to bound its temporaries (~25 MiB)
 
@@ -44,29 +44,30 @@ def check_point(r: int) -> None:
         raise ValueError(f"r: the key point must be in [1, 2^61 - 1), got {r}")
 
 
-def _powers(x: int) -> list[int]:
+def _powers(x: int) -> torch.Tensor:
+    """x^0 … x^(BLOCK−1) mod p (int64)."""
     found, value = [], 1
     for _ in range(BLOCK):
         found.append(value)
         value = value * x % P61
-    return found
+    return torch.tensor(found, dtype=torch.int64)
 
 
-def _limbs(values: list[int]) -> list[list[int]]:
-    return [[(v >> (LIMB_BITS * limb)) & ((1 << LIMB_BITS) - 1) for v in values]
-            for limb in range(LIMBS)]
+def _limbs(values: torch.Tensor) -> torch.Tensor:
+    return torch.stack([(values >> (LIMB_BITS * limb)) & ((1 << LIMB_BITS) - 1)
+                        for limb in range(LIMBS)])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _tables(r: int) -> torch.Tensor:
     """[MAX_LEVELS, 6, BLOCK] int64: per level, the limbs of x^k (rows 0-2) and of 2^32 · x^k
     (rows 3-5), with x = r on level 0 and x^BLOCK of the level below on the next."""
     levels, x = [], r
     for _ in range(MAX_LEVELS):
         powers = _powers(x)
-        levels.append(_limbs(powers) + _limbs([(v << 32) % P61 for v in powers]))
+        levels.append(torch.cat((_limbs(powers), _limbs(rotate61(powers, 32)))))
         x = pow(x, BLOCK, P61)
-    return torch.tensor(levels, dtype=torch.int64)
+    return torch.stack(levels)
 
 
 class Poly61Key:
@@ -136,9 +137,11 @@ def root_reference(buffer: torch.Tensor, key: Poly61Key) -> int:
     items = words_of(buffer)
     if items.numel() == 0:
         return 0
-    items, level = _level(items, tables[0], wide=False), 1
-    while items.numel() > 1:
-        items, level = _level(items, tables[level], wide=True), level + 1
+    items = _level(items, tables[0], wide=False)
+    for level in range(1, MAX_LEVELS):
+        if items.numel() == 1:
+            break
+        items = _level(items, tables[level], wide=True)
     return int(items[0])
 
 

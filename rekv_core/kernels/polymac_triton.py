@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from rekv_core.kernels.checksum_reference import check_buffer
-from rekv_core.kernels.polymac_reference import BLOCK, LIMB_BITS, LIMBS, P61, Poly61Key
+from rekv_core.kernels.polymac_reference import (BLOCK, LIMB_BITS, LIMBS, MAX_LEVELS, P61,
+                                                  Poly61Key)
 
 # Level 0: 4 blocks (8 KiB) per program, the table's 12 KiB of limbs loaded once for them.
 # Not tuned on hardware yet.
@@ -96,10 +97,10 @@ def root_triton(buffer: torch.Tensor, key: Poly61Key, rows: int = ROWS) -> torch
     aligned = n_bytes % 4 == 0 and buffer.storage_offset() % 4 == 0 and buffer.data_ptr() % 4 == 0
     src = buffer.detach().view(torch.int32) if aligned else buffer.detach()
     items = _launch(src, tables[0], n_words, n_bytes, _ALIGNED if aligned else _BYTES, rows)
-    level = 1
-    while items.numel() > 1:
+    for level in range(1, MAX_LEVELS):
+        if items.numel() == 1:
+            break
         items = _launch(items, tables[level], items.numel(), 0, _WIDE, 1)
-        level += 1
     return items[0]
 
 
