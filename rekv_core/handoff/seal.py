@@ -23,8 +23,8 @@ What protects against what:
   accidents: flipped, lost or reordered bytes. They are linear: anyone on the path can change
   bytes and fix the checksum up, so they are no defence against a party that means harm.
 - sealed: the MAC over header and bytes: a party on the path without the key can neither inject
-  nor alter nor replay a message. The checksums still travel and are checked (accidents are
-  named as such); the MAC is what an adversary cannot get past.
+  nor alter nor replay a message, and accidents fail it too. No checksum is computed or sent
+  (`with_checksums(..., sealed=True)`, `codec.encode(checksums=False)`), none is checked.
 - encrypted (`Sealing.encrypted`): AES-256-GCM (an AEAD) over every buffer, below: its tags
   protect the bytes (no second MAC over them), the seal's MAC the header; and nobody without the
   key reads the bytes.
@@ -43,10 +43,9 @@ break GCM). The associated data binds the request id, sequence number, message n
 name, so a buffer moved to another message or place fails its tag. The order is fixed:
 
     sender:   seal(key, encrypt(key, message), Protection.AEAD)   the MAC covers the sizes
-    receiver: decrypt(key, open_message(key, message, Protection.AEAD)), then check_checksums
+    receiver: decrypt(key, open_message(key, message, Protection.AEAD))
 
-Headers stay in clear (the plan, codec, shapes, sizes, and the checksums of the plaintext, which
-`check_checksums` or the codec verifies after decryption). Encryption works on host (CPU) buffers
+Headers stay in clear (the plan, codec, shapes, sizes). Encryption works on host (CPU) buffers
 only; the caller brings device buffers to the host. cryptography >= 47 encrypts straight into
 the new tensor; older versions cost one more copy. `cryptography` is imported only where a host
 path needs it (encryption, Poly1305), so a sealed handoff between device buffers runs without it.
@@ -111,6 +110,11 @@ class Sealing:
         return cls(new_key(), encrypted)
 
     @property
+    def sealed(self) -> bool:
+        """Whether the seal's MAC (or AES-GCM) covers the bytes, so no checksum needs to."""
+        return self.key is not None
+
+    @property
     def message_key(self) -> bytes | None:
         """The key messages are sealed (and encrypted) under: `key` itself without a binding,
         else HMAC-SHA256(key, "rekv-bind-1" | binding)."""
@@ -163,18 +167,24 @@ def open_message(key: bytes | None, message: Message, expect: Protection | None 
     return message
 
 
-def with_checksums(buffers: dict[str, torch.Tensor], extra: dict | None = None) -> bytes:
+def with_checksums(buffers: dict[str, torch.Tensor], extra: dict | None = None,
+                   sealed: bool = False) -> bytes:
     """A header holding the checksum of every buffer (their device's algorithm), and `extra`
-    fields beside them."""
+    fields beside them; `sealed`: `extra` alone (the seal's MAC covers the bytes)."""
     if not buffers:
         return b""
+    if sealed:
+        return json.dumps(extra or {}).encode()
     algorithm = default_algorithm(next(iter(buffers.values())).device)
     return json.dumps({**(extra or {}), "checksum_algorithm": algorithm,
                        "checksums": checksums(buffers, algorithm)}).encode()
 
 
-def check_checksums(message: Message) -> None:
-    """Verify a `with_checksums` header against the buffers; `SealError` names what differs."""
+def check_checksums(message: Message, sealed: bool = False) -> None:
+    """Verify a `with_checksums` header against the buffers; `SealError` names what differs.
+    `sealed`: nothing to verify (`open_message` has checked the MAC over the bytes)."""
+    if sealed:
+        return
     try:
         meta = json.loads(message.header) if message.header else {}
         algorithm, expected = meta["checksum_algorithm"], meta["checksums"]

@@ -5,6 +5,8 @@ unsealed handoff into the cache (the test has teeth); sealed, the receiver rejec
 before anything is written. The device profile (wsum64 headers, the poly61 MAC) runs on the CPU
 through both references, as a GPU sender's handoff does on a CPU receiver."""
 
+import json
+
 import pytest
 import torch
 
@@ -12,7 +14,8 @@ from rekv_core.codecs.checksum import checksum
 from rekv_core.handoff import Action
 from rekv_core.handoff import seal as seal_module
 from rekv_core.handoff.bulk_mac import Protection
-from rekv_core.handoff.seal import SealError, new_key, open_message, seal, with_checksums
+from rekv_core.handoff.seal import (SEAL_BYTES, SealError, new_key, open_message, seal,
+                                    with_checksums)
 from rekv_core.model import prefill
 from rekv_core.transport import Message
 from tests.support.forgery import keep_crc32, keep_wsum64
@@ -172,3 +175,26 @@ def test_a_sealed_message_opens_to_its_own_header(protection):
     key, message = new_key(), _message()
     header = message.header
     assert open_message(key, seal(key, message, protection)).header == header
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_only_an_unsealed_handoff_carries_checksums(smollm_bf16, sealed):
+    """Sealed, the MAC covers the bytes and no checksum is computed or sent; unsealed, every
+    payload's header holds one per buffer."""
+    from rekv_core.codecs.base import EncodedKV
+
+    L = smollm_bf16.shape.num_layers
+    seen = {}
+
+    def record(message):
+        seen[message.name] = (message.header[SEAL_BYTES if sealed else 0:], message.buffers)
+        return [message]
+
+    result, errors = run_handoff(smollm_bf16, IDS, Action("int8", 12, L), prefill(smollm_bf16, IDS),
+                                 fault=record, key=new_key() if sealed else None)
+    assert not errors and result.cache is not None
+    header, buffers = seen["boundary"]
+    assert bool(json.loads(header).get("checksums")) is not sealed
+    for layer in range(12):
+        header, buffers = seen[f"layer.{layer}"]
+        assert bool(EncodedKV.from_wire(header, buffers).checksums) is not sealed
