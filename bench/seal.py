@@ -1,8 +1,8 @@
 """What integrity and encryption of the data plane cost on host buffers, in GB/s beside this
-machine's memory-copy rate.
+machine's memory-copy rate and the rate of the link they protect.
 
     python bench/seal.py [--sizes 1,16,64] [--repeats 15] [--warmups 2] [--threads N]
-                         [--json bench/results/seal-cpu.json]
+                         [--link-gbps 10] [--json bench/results/seal-cpu.json]
 
 For each size S in --sizes (MiB): one message (`rekv_core.transport.Message`) holding one buffer
 of S random bytes and a `with_checksums` header, and these cases, each on the CPU:
@@ -10,8 +10,14 @@ of S random bytes and a `with_checksums` header, and these cases, each on the CP
 - copy: `dst.copy_(src)` between two preallocated S-byte tensors: the ceiling. torch may copy
   with several threads, every other case runs on one: `--threads 1` compares like with like.
 - checksum: `checksums` with `default_algorithm(cpu)` (crc32), as the data plane computes it.
-- seal / open: `seal` and `open_message` of the message: an HMAC-SHA256 over its header only, so
-  their cost is per message (µs, no GB/s), whatever S is.
+- mac, poly1305: the bulk MAC of a host buffer (`bulk_mac.buffer_tags`): the one-time key's
+  HMAC and Poly1305 over the bytes.
+- mac, poly61 reference: the device MAC's PyTorch reference on the CPU, what a CPU receiver
+  pays to verify a GPU sender's message (the Triton kernel is measured by bench/gpu).
+- seal / open: `seal` and `open_message` of the message: the MAC over the bytes (Poly1305) and
+  the HMAC over header and tags, what each side pays per message.
+- seal, sizes only: `seal` with `Protection.SIZES` (the probe's): the HMAC over the header alone,
+  a cost per message (µs, no GB/s), whatever S is.
 - encrypt / decrypt: `encrypt` and `decrypt` of the message: HKDF, a new output tensor and
   AES-256-GCM over the buffer.
 - aes-gcm, preallocated: `AESGCM.encrypt_into` into a preallocated tensor (cryptography >= 47):
@@ -25,7 +31,8 @@ once, in order on even rounds and in reverse order on odd ones, so that drift in
 (clock frequency, other load) spreads over all cases. A sample lasts at least 1 ms: a faster case
 runs that many calls in a row and the time is divided by them. Reported: the median seconds per
 call, GB/s = S / median (the bytes of the plaintext, counted once), its fraction of the copy rate
-at the same S, and µs per message.
+at the same S, its multiple of the link's rate (--link-gbps, default 10 Gb/s: above 1 the case
+keeps up with the link on this one core), and µs per message.
 """
 
 from __future__ import annotations
@@ -48,12 +55,13 @@ from rekv_cli.bench.machine import machine_info
 from rekv_cli.bench.provenance import provenance
 from rekv_cli.util import csv_of, write_json
 from rekv_core.codecs.checksum import checksums, default_algorithm
+from rekv_core.handoff.bulk_mac import Protection, buffer_tags
 from rekv_core.handoff.seal import decrypt, encrypt, new_key, open_message, seal, with_checksums
 from rekv_core.transport import Message
 
 MIN_SAMPLE_S = 1e-3
 PAGE = 4096
-PER_MESSAGE = ("seal", "open")  # header-only: no GB/s
+PER_MESSAGE = ("seal, sizes only",)  # header-only: no GB/s
 CPU = torch.device("cpu")
 
 
@@ -74,8 +82,11 @@ def cases(size: int) -> dict:
     found = {
         "copy": lambda: dst.copy_(src),
         "checksum": lambda: checksums(buffers, algorithm),
+        "mac, poly1305": lambda: buffer_tags(key, message(), Protection.POLY1305),
+        "mac, poly61 reference": lambda: buffer_tags(key, message(), Protection.POLY61),
         "seal": lambda: seal(key, message()),
         "open": lambda: open_message(key, message(sealed_header)),
+        "seal, sizes only": lambda: seal(key, message(), Protection.SIZES),
         "encrypt": lambda: encrypt(key, message()),
         "decrypt": lambda: decrypt(key, encrypted),
     }
@@ -94,7 +105,7 @@ def per_call(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def measure(size: int, repeats: int, warmups: int) -> list[dict]:
+def measure(size: int, repeats: int, warmups: int, link_gbps: float) -> list[dict]:
     todo = cases(size)
     calls = {}
     for name, fn in todo.items():
@@ -115,6 +126,7 @@ def measure(size: int, repeats: int, warmups: int) -> list[dict]:
                      "us_per_message": median * 1e6,
                      "gbps": size / median / 1e9 if bulk else None,
                      "fraction_of_copy": copy_s / median if bulk else None,
+                     "times_link": size * 8 / median / (link_gbps * 1e9) if bulk else None,
                      "calls_per_sample": calls[name], "min_s": min(seconds),
                      "max_s": max(seconds)})
     return rows
@@ -122,13 +134,15 @@ def measure(size: int, repeats: int, warmups: int) -> list[dict]:
 
 def run(args: argparse.Namespace) -> dict:
     started = provenance()
-    rows = [row for mib in args.sizes for row in measure(mib << 20, args.repeats, args.warmups)]
+    rows = [row for mib in args.sizes
+            for row in measure(mib << 20, args.repeats, args.warmups, args.link_gbps)]
     return {
         "machine": {**machine_info(CPU, torch.uint8, torch.get_num_threads()), **started},
         "command": " ".join(["python", *sys.argv]),
         "cryptography": version("cryptography"),
         "encrypt_into": hasattr(AESGCM, "encrypt_into"),
         "sizes_mib": args.sizes, "repeats": args.repeats, "warmups": args.warmups,
+        "link_gbps": args.link_gbps,
         "min_sample_s": MIN_SAMPLE_S,
         "rows": rows,
     }
@@ -139,13 +153,15 @@ def print_table(result: dict) -> None:
     print(f"{m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads, torch "
           f"{m['torch']}, cryptography {result['cryptography']}, commit {m['commit']}")
     print()
-    print("| MiB | case | µs per message | GB/s | of copy |")
-    print("|----:|:-----|---------------:|-----:|--------:|")
+    link = f"{result['link_gbps']:g} Gb/s"
+    print(f"| MiB | case | µs per message | GB/s | of copy | × {link} link |")
+    print("|----:|:-----|---------------:|-----:|--------:|-----------:|")
     for r in result["rows"]:
-        gbps, fraction = ((f"{r['gbps']:,.2f}", f"{r['fraction_of_copy']:.1%}")
-                          if r["gbps"] is not None else ("–", "–"))
+        gbps, fraction, times = ((f"{r['gbps']:,.2f}", f"{r['fraction_of_copy']:.1%}",
+                                  f"{r['times_link']:,.2f}")
+                                 if r["gbps"] is not None else ("–", "–", "–"))
         print(f"| {r['size_bytes'] >> 20} | {r['case']} | {r['us_per_message']:,.1f} | {gbps} | "
-              f"{fraction} |")
+              f"{fraction} | {times} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,10 +172,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--warmups", type=int, default=2, help="untimed calls per case")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--link-gbps", type=float, default=10.0,
+                        help="the link the seal protects, Gb/s (default 10)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     if not args.sizes or min(args.sizes) < 1:
         parser.error("--sizes: need one or more positive sizes in MiB")
+    if args.link_gbps <= 0:
+        parser.error("--link-gbps: must be positive")
     if args.repeats < 1 or args.warmups < 0:
         parser.error("--repeats: must be positive; --warmups: must not be negative")
     if args.threads is not None:

@@ -30,7 +30,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "flip_late_bit",
-          "replay", "coarse_codec")
+          "forge_checksum", "replay", "coarse_codec")
 BY_REQUEST = "by_request"
 
 

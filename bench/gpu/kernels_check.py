@@ -1,4 +1,5 @@
-"""Every Triton kernel against its PyTorch reference, at the sizes a GPU serves.
+"""Every Triton kernel against its PyTorch reference, at the sizes a GPU serves, and the rate of
+the seal's device MAC.
 
     python bench/gpu/kernels_check.py [--device cuda] [--dry-run] [--json FILE]
 
@@ -6,12 +7,18 @@ For each K/V shape `[n_kv, S, d_h]` (the presets' layer shapes at 1 to 8,192 tok
 a few small ones, for the CPU under TRITON_INTERPRET=1) and each of INT8 and INT4: the Triton
 quantizer's codes and scales equal the reference's byte for byte, and the Triton dequantizer's
 output equals the reference's bit for bit, both run on the same device from the same input; the
-Triton `wsum64` checksum equals the reference's on the code buffers and on the raw BF16 bytes; and
+Triton `wsum64` checksum and `poly61` MAC hash equal the references' on the code buffers and on
+the raw BF16 bytes (whole, at an odd offset, with a ragged end); and
 each of `int4h`, `spectrum30`, `spectrum50` and `splitzip` encodes to the same buffers and meta,
 and decodes to the same K and V, through its Triton kernels as through its reference. The
 reference runs on the same device as the kernel (torch ops), so the check is of the kernels, not of
 two devices' arithmetic. Exits 1 on the first mismatch class found (after checking everything),
 naming each failing case; `--json` writes every case.
+
+The MAC's rate (`mac_rate` in the JSON): for each buffer size (64 MiB to 1 GiB; `--dry-run`: 64
+KiB), the median over `RATE_ROUNDS` rounds of `poly61_triton_many` on one buffer (launches and
+the host's read of the value included, as the seal pays them) and of a device copy of the same
+bytes, alternating, in GB/s of the buffer; the goal is >= 1 TB/s on an H200 (issue 28).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,11 +46,17 @@ from rekv_core.kernels.checksum_triton import wsum64_triton  # noqa: E402
 from rekv_core.kernels.groupwise_reference import (dequantize_reference,  # noqa: E402
                                                    quantize_reference)
 from rekv_core.kernels.groupwise_triton import dequantize_triton, quantize_triton  # noqa: E402
+from rekv_core.kernels.polymac_reference import Poly61Key, poly61_reference  # noqa: E402
+from rekv_core.kernels.polymac_triton import poly61_triton_many  # noqa: E402
 from rekv_core.model.shapes import get_preset  # noqa: E402
 
 PRESETS = ("qwen2.5-7b", "qwen2.5-3b", "qwen3-8b")
 LENGTHS = (1, 7, 64, 1000, 2048, 8192)
 DRY_SHAPES = ((1, 1, 64), (2, 5, 64), (3, 33, 128))
+MAC_KEY = Poly61Key(0x1234_5678_9ABC_DEF)
+RATE_MIB, DRY_RATE_MIB = (64, 256, 1024), (1 / 16,)
+RATE_ROUNDS = 9
+MAC_GOAL_GBPS = 1000.0
 
 
 def shapes(dry_run: bool) -> list[tuple[int, int, int]]:
@@ -74,6 +88,8 @@ def check_shape(kv_shape: tuple[int, int, int], device: torch.device, seed: int)
             "dequantized_equal": bool(torch.equal(out.view(torch.int16),
                                                   ref_out.view(torch.int16))),
             "wsum64_codes_equal": wsum64_triton(codes) == wsum64_reference(codes),
+            "poly61_codes_equal": (poly61_triton_many([codes], MAC_KEY)
+                                   == [poly61_reference(codes, MAC_KEY)]),
         })
     raw = x.reshape(-1).view(torch.uint8)
     # aligned words, then the byte path: an odd start, a ragged end, both
@@ -82,7 +98,9 @@ def check_shape(kv_shape: tuple[int, int, int], device: torch.device, seed: int)
         if part.numel():
             cases.append({"shape": list(kv_shape), "bits": 16, "slice": label or "whole",
                           f"wsum64_raw{label}_equal":
-                          wsum64_triton(part) == wsum64_reference(part)})
+                          wsum64_triton(part) == wsum64_reference(part),
+                          f"poly61_raw{label}_equal": (poly61_triton_many([part], MAC_KEY)
+                                                       == [poly61_reference(part, MAC_KEY)])})
     return cases + check_codecs(x, kv_shape, generator)
 
 
@@ -115,6 +133,40 @@ def check_codecs(x: torch.Tensor, kv_shape: tuple[int, int, int], generator: tor
     return cases
 
 
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def mac_rate(device: torch.device, dry_run: bool) -> list[dict]:
+    """The poly61 kernel's GB/s beside a device copy's, per buffer size (module doc)."""
+    rows = []
+    for mib in DRY_RATE_MIB if dry_run else RATE_MIB:
+        size = int(mib * (1 << 20))
+        src = torch.randint(0, 256, (size,), dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        cases = {"poly61": lambda: poly61_triton_many([src], MAC_KEY),
+                 "copy": lambda: dst.copy_(src)}
+        for fn in cases.values():
+            fn()  # compiles the kernel, warms the allocator
+        seconds = {name: [] for name in cases}
+        for round_ in range(RATE_ROUNDS):
+            for name in list(cases) if round_ % 2 == 0 else list(cases)[::-1]:
+                seconds[name].append(_timed(cases[name], device))
+        median = {name: statistics.median(s) for name, s in seconds.items()}
+        rows.append({"size_bytes": size, "poly61_s": median["poly61"], "copy_s": median["copy"],
+                     "poly61_gbps": size / median["poly61"] / 1e9,
+                     "copy_gbps": size / median["copy"] / 1e9,
+                     "goal_gbps": MAC_GOAL_GBPS,
+                     "met": size / median["poly61"] / 1e9 >= MAC_GOAL_GBPS})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     code = provenance()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -132,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH {case}")
     print(f"kernels_check: {len(cases) - len(failed)}/{len(cases)} cases equal on {device} "
           f"in {time.perf_counter() - started:.1f} s")
+    rates = mac_rate(device, args.dry_run)
+    for row in rates:
+        print(f"poly61 MAC, {row['size_bytes'] >> 10} KiB: {row['poly61_gbps']:,.1f} GB/s, "
+              f"device copy {row['copy_gbps']:,.1f} GB/s (goal {MAC_GOAL_GBPS:g})")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"meta": code, "device": str(device), "dry_run": args.dry_run, "cases": cases,
-             "failed": len(failed)}, indent=1))
+             "failed": len(failed), "mac_rate": rates}, indent=1))
     return 1 if failed else 0
 
 

@@ -8,6 +8,7 @@ named) and writes `summary.json` and `summary.md` there. The goals, on the H200:
 - one decode step within 2× of its memory-bound floor (bytes read / measured copy bandwidth; the
   stricter floor at the measured read-only rate is shown beside it);
 - codec encode and decode, checksum included, ≥ 1 TB/s of BF16 input;
+- the seal's device MAC (the poly61 kernel, issue 28) ≥ 1 TB/s, beside the device copy;
 - joint int8 over full BF16 transfer at the seed's setting (8K tokens, 18.4 Gb/s) at or above the
   seed's Table 1 ratio, with the eq. 9 model beside each measurement.
 """
@@ -44,9 +45,12 @@ def cuda_tests(out: Path, missing: list[str]) -> dict | None:
     return {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
 
 
-def kernels(out: Path, missing: list[str]) -> dict | None:
-    data = _load(out / "kernels.json", missing)
+def kernels(data: dict | None) -> dict | None:
     return None if data is None else {"cases": len(data["cases"]), "failed": data["failed"]}
+
+
+def mac_rate(data: dict | None) -> list[dict] | None:
+    return None if data is None else data.get("mac_rate")
 
 
 def services(out: Path, missing: list[str]) -> dict | None:
@@ -161,6 +165,9 @@ def markdown(summary: dict) -> str:
                   "read_floor_ms", "ratio", "tokens_per_s", "met"]),
                 ("Codecs, checksum included (GB/s of BF16 input)", summary["codecs"] or [],
                  ["model", "codec", "op", "gbps", "copy_gbps", "goal_gbps", "met"]),
+                ("The seal's device MAC (poly61) vs a device copy (GB/s)",
+                 summary["mac_rate"] or [],
+                 ["size_bytes", "poly61_gbps", "copy_gbps", "goal_gbps", "met"]),
                 ("Handoff: joint int8 over full BF16 transfer", summary["handoff"],
                  ["preset", "link", "full_bf16_ms", "joint_int8_cut", "joint_int8_ms",
                   "joint_int8_model_ms", "ratio", "seed_ratio", "met"]),
@@ -183,9 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing: list[str] = []
     prefill, decode = executor(_load(args.out / "executor.json", missing))
+    checked = _load(args.out / "kernels.json", missing)
     summary = {"dry_run": args.dry_run, "env": _load(args.out / "env.json", missing),
                "cuda_tests": cuda_tests(args.out, missing),
-               "kernels": kernels(args.out, missing), "services": services(args.out, missing),
+               "kernels": kernels(checked), "mac_rate": mac_rate(checked),
+               "services": services(args.out, missing),
                "prefill": prefill, "decode": decode,
                "codecs": codecs(_load(args.out / "codecs.json", missing)),
                "handoff": handoff(args.out, missing),

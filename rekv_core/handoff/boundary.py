@@ -4,13 +4,13 @@
 - `bf16`: each chunk's rows as BF16, one buffer `h` (2 bytes per element);
 - `splitzip`: each chunk's rows as SplitZip streams `codes`, `sm`, `escapes`
   (`codecs.splitzip.encode_bf16`), the tensor meta (codebook, element count, chunk, escape count)
-  in the message header beside the checksums. The codebook is the model's, calibrated on boundary
+  in the message header beside the checksums (of an unsealed handoff). The codebook is the model's, calibrated on boundary
   states (the policy's `splitzip.boundary`), else ranked from this handoff's h_c.
 
 `encode_chunk(rows, coding, codebook)` gives a chunk's buffers and its header's extra fields;
-`decode_chunk(message, shape, coding)` checks a received chunk (checksums, sizes, meta) and
-gives its rows as BF16, bit for bit what was sent, or raises `TransportError` naming what is
-wrong. `boundary_bytes(n, coding)` is the wire size the planner expects for n elements.
+`decode_chunk(message, shape, coding, sealed)` checks a received chunk (checksums unless sealed,
+sizes, meta) and gives its rows as BF16, bit for bit what was sent, or raises `TransportError`
+naming what is wrong. `boundary_bytes(n, coding)` is the wire size the planner expects for n elements.
 """
 
 from __future__ import annotations
@@ -62,10 +62,12 @@ def encode_chunk(rows: torch.Tensor, coding: str, codebook: list[int] | None
     return buffers, {"splitzip": meta}
 
 
-def decode_chunk(message: Message, shape: tuple[int, ...], coding: str) -> torch.Tensor:
-    """A received chunk (or `head`) -> its rows `shape`, BF16, on the buffers' device."""
+def decode_chunk(message: Message, shape: tuple[int, ...], coding: str, sealed: bool = False
+                 ) -> torch.Tensor:
+    """A received chunk (or `head`) -> its rows `shape`, BF16, on the buffers' device; `sealed`:
+    its bytes were verified by the seal's MAC, no checksums to check."""
     streams.wait_ready(message.ready, message.buffers.values())
-    check_checksums(message)
+    check_checksums(message, sealed)
     elements = int(torch.Size(shape).numel())
     if coding == "bf16":
         buf = message.buffers.get("h")

@@ -29,6 +29,7 @@ from rekv_core import streams
 from rekv_core.codecs import EncodedKV
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import SealError, Sealing, decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
@@ -61,11 +62,11 @@ class Inbound:
 
     def next_or_refused(self) -> Message | Refused:
         """The next message opened, or `Refused` when it fails its seal."""
-        key = self.sealing.message_key
+        key, encrypted = self.sealing.message_key, self.sealing.encrypted
         message = self.transport.recv(self.request_id, self.transfer.wait_s())
         try:
-            message = open_message(key, message)
-            if self.sealing.encrypted:
+            message = open_message(key, message, Protection.AEAD if encrypted else None)
+            if encrypted:
                 message = decrypt(key, message)
         except SealError as exc:
             return Refused(message.name, exc)
@@ -226,7 +227,7 @@ class Incoming:
             raise TransportError(f"{message.name}: shape {encoded.shape}, expected {expected}")
         if self.decoding_began is None and not self.codec.restore_is_copy:
             self.decoding_began = time.perf_counter()
-        k, v = self.codec.decode(encoded)
+        k, v = self.codec.decode(encoded, verify=not self.inbound.sealing.sealed)
         self.cache.write(index, s0, k.to(self.model.dtype), v.to(self.model.dtype))
         self.bytes += WireBytes.of_layer(encoded.layer_bytes())
 

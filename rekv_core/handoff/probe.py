@@ -31,7 +31,8 @@ when a prefill replica connects to a decode worker (`Prefill.Connect`), it sends
 
 A handoff's own link samples (`transport.arrivals`) must tell wire time from the sender's pauses
 and are rare for streamed handoffs; the probe is back to back by construction. Its bytes are
-zeros: a probe carries nothing but its length. The receiver must have opened `request_id` first,
+zeros: a probe carries nothing but its length, which its seal binds (`Protection.SIZES`: no MAC
+reads the bytes, which go nowhere). The receiver must have opened `request_id` first,
 as for a handoff.
 """
 
@@ -42,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import open_message, seal
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.transport import Message, TransportError, TransportReceiver, TransportSender
@@ -74,13 +76,13 @@ def send_probe(sender: TransportSender, request_id: str, key: bytes | None,
         started = time.perf_counter()
         for _ in range(stage // size):
             sender.send(seal(key, Message(request_id, seq, PROBE, str(number).encode(),
-                                          {"bytes": payload[:size]})))
+                                          {"bytes": payload[:size]}), Protection.SIZES))
             seq += 1
             sent += size
         sender.flush(request_id, timeout_s)
         if number >= 1 and time.perf_counter() - started >= stage_s:
             break
-    sender.send(seal(key, Message(request_id, seq, PROBE_END)))
+    sender.send(seal(key, Message(request_id, seq, PROBE_END), Protection.SIZES))
     sender.flush(request_id, timeout_s)
     return ProbeSent(sent, time.perf_counter() - began)
 
@@ -95,7 +97,8 @@ def receive_probe(transport: TransportReceiver, request_id: str, key: bytes | No
     anchor = 0  # the index of the second stage's first message, once seen
     try:
         while True:
-            message = open_message(key, transport.recv(request_id, transfer.wait_s()))
+            message = open_message(key, transport.recv(request_id, transfer.wait_s()),
+                                   Protection.SIZES)
             if message.name == PROBE_END:
                 break
             if message.name != PROBE:

@@ -188,7 +188,7 @@ def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: 
     S = plan.seq_len
     message = inbound.expect(TOKENS)
     inbound.transfer.advance(TransferState.JOINING)
-    check_checksums(message)
+    check_checksums(message, inbound.sealing.sealed)
     ids = message.buffers["ids"].view(torch.int32).tolist()
     if len(ids) != S:
         raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
@@ -224,8 +224,8 @@ def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCa
     for index, (s0, s1) in enumerate(plan.boundary_chunks):
         message = incoming.next_chunk(index)
         wire += message.payload_bytes
-        rows = decode_chunk(message, (s1 - s0, *shape), plan.action.boundary).to(
-            model.device, model.dtype)
+        rows = decode_chunk(message, (s1 - s0, *shape), plan.action.boundary,
+                            incoming.inbound.sealing.sealed).to(model.device, model.dtype)
         now = time.perf_counter()
         transfer = incoming.inbound.transfer
         if index == 0:
@@ -291,7 +291,7 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
     boundary_at = suffix.began if suffix else start
     join_start = max(incoming.done, suffix.ended if suffix else 0.0)
     if suffix is None:
-        head = decode_chunk(incoming.head, (hidden,), "bf16")
+        head = decode_chunk(incoming.head, (hidden,), "bf16", inbound.sealing.sealed)
         logits = final_logits(model, head.to(model.device, model.dtype))
         received += WireBytes(head=hidden * BF16_BYTES)
         r_seconds, computing = 0.0, incoming.decoding_began

@@ -3,23 +3,35 @@
 The decode side draws a fresh random key per handoff (`new_key`) and hands it to the prefill side
 over the control plane; only the two of them know it. Each message of that handoff is sealed:
 
-    header on the wire = MAC (32 bytes) || header
-    MAC = HMAC-SHA256(key, "rekv-seal-1" | request id | sequence number | message name | header |
-                           each buffer's name and size)
+    header on the wire = MAC (32 bytes) || protection (1 byte) || header
+    MAC = HMAC-SHA256(key, "rekv-seal-2" | request id | sequence number | message name |
+                           protection | header | each buffer's name, size and bulk tag)
 
-and the header itself holds a checksum of every buffer (`with_checksums`, or a codec's own header
-for encoded layers), so the MAC, computed over a few hundred bytes, covers the bulk bytes too
-without reading them a second time. The receiver (`open_message`) recomputes the MAC before it
-reads anything else: a message from another handoff (replayed or late: another key), for another
-request or place (misdirected), or from a process that only reached the data-plane port (no key)
-is rejected and never written into a cache. `check_checksums` then verifies the bytes of a
-message whose header carries its checksums (the codec verifies an encoded layer's).
+where each buffer's bulk tag is a keyed MAC over its bytes (`bulk_mac`: Poly1305 with a one-time
+key per buffer on the host, the `poly61` polynomial hash on a device), computed by both sides and
+never sent. The receiver (`open_message`) recomputes the MAC before anything reads the message: a
+message from another handoff (replayed or late: another key), for another request or place
+(misdirected), from a process that only reached the data-plane port (no key), or with any byte of
+its header or buffers changed by a party without the key is rejected and never written into a
+cache. The protection byte says which bulk MAC the sender computed (the receiver computes the
+same, and refuses one it did not expect: `aead` only on an encrypted handoff, `sizes` only for
+the link probe).
 
-A handoff without a key (`key=None` on both sides: benchmarks, tests of the schedule) is
-unsealed; checksums still travel and are checked. `Sealing(key, encrypted, binding)` is how one
-handoff is protected, as both sides take it: with a `binding` (the model's fingerprint), every MAC
-and cipher key is derived from the handoff key and the binding (`Sealing.message_key`), so a
-message sealed for another model does not verify.
+What protects against what:
+- unsealed (`key=None` on both sides: benchmarks, tests of the schedule): the checksums in each
+  header (`with_checksums`, or a codec's own: CRC32 on the host, wsum64 on a device) catch
+  accidents: flipped, lost or reordered bytes. They are linear: anyone on the path can change
+  bytes and fix the checksum up, so they are no defence against a party that means harm.
+- sealed: the MAC over header and bytes: a party on the path without the key can neither inject
+  nor alter nor replay a message, and accidents fail it too. No checksum is computed or sent
+  (`with_checksums(..., sealed=True)`, `codec.encode(checksums=False)`), none is checked.
+- encrypted (`Sealing.encrypted`): AES-256-GCM (an AEAD) over every buffer, below: its tags
+  protect the bytes (no second MAC over them), the seal's MAC the header; and nobody without the
+  key reads the bytes.
+
+`Sealing(key, encrypted, binding)` is how one handoff is protected, as both sides take it: with a
+`binding` (the model's fingerprint), every MAC and cipher key is derived from the handoff key and
+the binding (`Sealing.message_key`), so a message sealed for another model does not verify.
 
 Encryption, for links that others can read (optional; the MAC alone hides nothing): `encrypt`
 replaces every buffer of a message by its AES-256-GCM ciphertext with the 16-byte tag appended,
@@ -30,13 +42,13 @@ reused across handoffs, or a sequence number resent with other bytes, would repe
 break GCM). The associated data binds the request id, sequence number, message name and buffer
 name, so a buffer moved to another message or place fails its tag. The order is fixed:
 
-    sender:   seal(key, encrypt(key, message))     the MAC covers the ciphertext sizes
-    receiver: decrypt(key, open_message(key, message)), then check_checksums
+    sender:   seal(key, encrypt(key, message), Protection.AEAD)   the MAC covers the sizes
+    receiver: decrypt(key, open_message(key, message, Protection.AEAD))
 
-Headers stay in clear (the plan, codec, shapes, sizes, and the checksums of the plaintext, which
-`check_checksums` or the codec verifies after decryption). Encryption works on host (CPU) buffers
+Headers stay in clear (the plan, codec, shapes, sizes). Encryption works on host (CPU) buffers
 only; the caller brings device buffers to the host. cryptography >= 47 encrypts straight into
-the new tensor; older versions cost one more copy.
+the new tensor; older versions cost one more copy. `cryptography` is imported only where a host
+path needs it (encryption, Poly1305), so a sealed handoff between device buffers runs without it.
 """
 
 from __future__ import annotations
@@ -49,19 +61,17 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives import hashes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from rekv_core.codecs.checksum import checksums, default_algorithm, verify_checksums
+from rekv_core.handoff.bulk_mac import Protection, buffer_tags, framed, mac_for, place
 from rekv_core.transport import Message, TransportError
 
 KEY_BYTES = 32
 MAC_BYTES = 32
+SEAL_BYTES = MAC_BYTES + 1  # the MAC and the protection byte in front of a sealed header
 TAG_BYTES = 16
 MAX_BUFFER_BYTES = 2**31 - 1 - TAG_BYTES  # cryptography's AEADs take at most 2**31 - 1 bytes
-_DOMAIN = b"rekv-seal-1"
+_DOMAIN = b"rekv-seal-2"
 _ENCRYPT_DOMAIN = b"rekv-encrypt-1"
 _BIND_DOMAIN = b"rekv-bind-1"
 
@@ -100,6 +110,11 @@ class Sealing:
         return cls(new_key(), encrypted)
 
     @property
+    def sealed(self) -> bool:
+        """Whether the seal's MAC (or AES-GCM) covers the bytes, so no checksum needs to."""
+        return self.key is not None
+
+    @property
     def message_key(self) -> bytes | None:
         """The key messages are sealed (and encrypted) under: `key` itself without a binding,
         else HMAC-SHA256(key, "rekv-bind-1" | binding)."""
@@ -108,58 +123,68 @@ class Sealing:
         return hmac.new(self.key, _BIND_DOMAIN + self.binding, hashlib.sha256).digest()
 
 
-def _framed(*parts: bytes) -> bytes:
-    return b"".join(len(part).to_bytes(4, "little") + part for part in parts)
-
-
-def _place(message: Message) -> tuple[bytes, bytes, bytes]:
-    return message.request_id.encode(), str(message.seq).encode(), message.name.encode()
-
-
-def _mac(key: bytes, message: Message, header: bytes) -> bytes:
+def _mac(key: bytes, message: Message, protection: Protection, header: bytes) -> bytes:
     mac = hmac.new(key, _DOMAIN, hashlib.sha256)
-    mac.update(_framed(*_place(message)))
+    mac.update(framed(*place(message)) + bytes([protection]))
     mac.update(len(header).to_bytes(8, "little") + header)
-    for name, buffer in message.buffers.items():
-        mac.update(name.encode() + b"\0" + (buffer.numel() * buffer.element_size()).to_bytes(
-            8, "little"))
+    tags = buffer_tags(key, message, protection)
+    for (name, buffer), tag in zip(message.buffers.items(), tags):
+        size = buffer.numel() * buffer.element_size()
+        mac.update(framed(name.encode(), size.to_bytes(8, "little"), tag))
     return mac.digest()
 
 
-def seal(key: bytes | None, message: Message) -> Message:
-    """`message` with its MAC in front of its header (unchanged without a key)."""
+def seal(key: bytes | None, message: Message, protection: Protection | None = None) -> Message:
+    """`message` with its MAC and protection in front of its header (unchanged without a key).
+    `protection`: `AEAD` for `encrypt`ed buffers, `SIZES` for bytes that carry nothing; by
+    default a MAC over every buffer's bytes (`mac_for` their device)."""
     if key is not None:
-        message.header = _mac(key, message, message.header) + message.header
+        protection = mac_for(message.buffers) if protection is None else protection
+        message.header = (_mac(key, message, protection, message.header) + bytes([protection])
+                          + message.header)
     return message
 
 
-def open_message(key: bytes | None, message: Message) -> Message:
-    """Verify and strip the MAC; `SealError` when it is missing or wrong."""
+def open_message(key: bytes | None, message: Message, expect: Protection | None = None
+                 ) -> Message:
+    """Verify and strip the MAC; `SealError` when it is missing or wrong, or when the message's
+    protection is not `expect` (None: a MAC over the bytes, either algorithm)."""
     if key is None:
         return message
     header = message.header
-    if len(header) < MAC_BYTES:
+    if len(header) < SEAL_BYTES:
         raise SealError(f"{message.name}: no handoff MAC")
-    mac, header = header[:MAC_BYTES], header[MAC_BYTES:]
-    if not hmac.compare_digest(mac, _mac(key, message, header)):
-        raise SealError(f"{message.name}: handoff MAC mismatch (another handoff's message, "
-                        f"a misdirected one, or not from the prefill worker)")
+    mac, code, header = header[:MAC_BYTES], header[MAC_BYTES], header[SEAL_BYTES:]
+    protection = next((p for p in Protection if p == code), None)
+    if protection is None or not hmac.compare_digest(mac, _mac(key, message, protection, header)):
+        raise SealError(f"{message.name}: handoff MAC mismatch (altered bytes, another "
+                        f"handoff's message, a misdirected one, or not from the prefill worker)")
+    if protection != expect and not (expect is None and protection.is_mac):
+        wanted = "a MAC over the bytes" if expect is None else expect.name.lower()
+        raise SealError(f"{message.name}: bulk protection {protection.name.lower()}, "
+                        f"expected {wanted}")
     message.header = header
     return message
 
 
-def with_checksums(buffers: dict[str, torch.Tensor], extra: dict | None = None) -> bytes:
+def with_checksums(buffers: dict[str, torch.Tensor], extra: dict | None = None,
+                   sealed: bool = False) -> bytes:
     """A header holding the checksum of every buffer (their device's algorithm), and `extra`
-    fields beside them."""
+    fields beside them; `sealed`: `extra` alone (the seal's MAC covers the bytes)."""
     if not buffers:
         return b""
+    if sealed:
+        return json.dumps(extra or {}).encode()
     algorithm = default_algorithm(next(iter(buffers.values())).device)
     return json.dumps({**(extra or {}), "checksum_algorithm": algorithm,
                        "checksums": checksums(buffers, algorithm)}).encode()
 
 
-def check_checksums(message: Message) -> None:
-    """Verify a `with_checksums` header against the buffers; `SealError` names what differs."""
+def check_checksums(message: Message, sealed: bool = False) -> None:
+    """Verify a `with_checksums` header against the buffers; `SealError` names what differs.
+    `sealed`: nothing to verify (`open_message` has checked the MAC over the bytes)."""
+    if sealed:
+        return
     try:
         meta = json.loads(message.header) if message.header else {}
         algorithm, expected = meta["checksum_algorithm"], meta["checksums"]
@@ -191,6 +216,8 @@ def encrypt(key: bytes, message: Message) -> Message:
 def decrypt(key: bytes, message: Message) -> Message:
     """The plaintext of an `encrypt`ed message; `SealError` naming the message and buffer whose
     tag does not hold (altered bytes, another message's buffer, another place, another key)."""
+    from cryptography.exceptions import InvalidTag
+
     aead = _cipher(key)
     buffers = {}
     for index, (name, buffer) in enumerate(message.buffers.items()):
@@ -209,7 +236,12 @@ def decrypt(key: bytes, message: Message) -> Message:
     return replace(message, buffers=buffers)
 
 
-def _cipher(key: bytes) -> AESGCM:
+def _cipher(key: bytes):
+    """AES-256-GCM under the key derived for encryption (`cryptography`'s AESGCM)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
     if key is None:
         raise ValueError("encryption needs the handoff key")
     check_key(key)
@@ -222,7 +254,7 @@ def _nonce(message: Message, index: int) -> bytes:
 
 
 def _associated_data(message: Message, buffer_name: str) -> bytes:
-    return _ENCRYPT_DOMAIN + _framed(*_place(message), buffer_name.encode())
+    return _ENCRYPT_DOMAIN + framed(*place(message), buffer_name.encode())
 
 
 def _host_array(message: Message, name: str, buffer: torch.Tensor) -> np.ndarray:

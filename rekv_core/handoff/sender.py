@@ -12,8 +12,9 @@ rows as soon as the chunk has reached the cut, then its rows of each prefix laye
 their own; for transfer-only, the last position's final hidden state last. It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
-message and gives up what it posted. Every message is sealed with the handoff's key and carries
-checksums of its buffers (`seal`).
+message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
+over its header and bytes, or AES-GCM when encrypted); an unsealed one carries checksums of its
+buffers instead (`seal`).
 
 On CUDA the encoding runs on a stream of its own that waits for the caller's stream (where the
 prefill runs) before each layer, and every message carries the `ready` event of its buffers
@@ -35,6 +36,7 @@ from rekv_core.codecs import EncodeContext
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.boundary import chunk_codebook, encode_chunk
 from rekv_core.handoff.plan import HandoffPlan
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import Sealing, encrypt, seal, with_checksums
 from rekv_core.handoff.source import ChunkedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
@@ -109,24 +111,26 @@ class _Posting:
         self.transport, self.transfer = transport, transfer
         self.request_id = transfer.transfer_id
         self.sealing, self.hooks = sealing, hooks
+        self.sealed = sealing.sealed  # no checksums: the seal's MAC covers the bytes
         self.seq = 0
 
     def __call__(self, name: str, header: bytes | None = None, buffers: dict | None = None,
                  state: TransferState | None = None) -> None:
-        """`header` None: one holding the buffers' checksums (encoded layers bring their own)."""
+        """`header` None: one holding the buffers' checksums, unless sealed (encoded layers bring
+        their own)."""
         self.transfer.check()
         if state is not None:
             self.transfer.advance(state)
         buffers = buffers or {}
-        header = with_checksums(buffers) if header is None else header
+        header = with_checksums(buffers, sealed=self.sealed) if header is None else header
         message = Message(self.request_id, self.seq, name, header, buffers)
-        key = self.sealing.message_key
+        key, protection = self.sealing.message_key, None
         if self.sealing.encrypted:  # on the host: a copy from the device waits for its producer
             message.buffers = {n: b.cpu() for n, b in buffers.items()}
-            message = encrypt(key, message)
+            message, protection = encrypt(key, message), Protection.AEAD
         else:
             message.ready = streams.record_ready(buffers.values())
-        message = seal(key, message)
+        message = seal(key, message, protection)
         if self.hooks is not None:
             message = self.hooks.before_send(message)
         self.transport.send(message)
@@ -163,7 +167,7 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
             start = time.perf_counter()
             with streams.on_stream(stream):
                 encoded = plan.codec.encode(
-                    layer.keys, layer.values,
+                    layer.keys, layer.values, checksums=not send.sealed,
                     context=EncodeContext(token_importance=layer.importance))
             quantize += time.perf_counter() - start
             send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
@@ -201,7 +205,8 @@ def _send_in_token_order(plan: HandoffPlan, source: ChunkedPrefill, stream, send
                 start = time.perf_counter()
                 with streams.on_stream(stream):
                     encoded = plan.codec.encode(layer.keys.contiguous(),
-                                                layer.values.contiguous(), context=EncodeContext())
+                                                layer.values.contiguous(),
+                                                checksums=not send.sealed, context=EncodeContext())
                 quantize += time.perf_counter() - start
                 send(layer_rows_name(layer.index, chunk.index), encoded.header_bytes(),
                      encoded.buffers, state=TransferState.PREFIX)
@@ -228,7 +233,7 @@ def _send_boundary_chunk(plan: HandoffPlan, chunk: int, rows: torch.Tensor,
     """One chunk of BF16 boundary rows, coded as the plan's action says."""
     with streams.on_stream(stream):  # the checksums' read waits for the encoding
         buffers, extra = encode_chunk(rows, plan.action.boundary, codebook)
-        header = with_checksums(buffers, extra)
+        header = with_checksums(buffers, extra, sealed=send.sealed)
     send(boundary_name(chunk), header, buffers,
          state=None if plan.streamed else TransferState.BOUNDARY)
     return WireBytes(boundary=sum(b.numel() for b in buffers.values()))

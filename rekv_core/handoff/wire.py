@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
-WIRE_FORMAT = 1  # bump when a message's name, order or header changes
+WIRE_FORMAT = 2  # bump when a message's name, order, header or seal changes (2: MAC over bytes)
 
 
 def layer_name(index: int) -> str:

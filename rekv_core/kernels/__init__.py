@@ -1,9 +1,10 @@
-"""Quantizer, SplitZip and checksum kernels, each beside its PyTorch reference.
+"""Quantizer, SplitZip, checksum and MAC kernels, each beside its PyTorch reference.
 
 `quantize_groupwise` / `dequantize_groupwise`, `quantize_tokens` / `dequantize_tokens` (SpectrumKV's
 per-token tiers), `splitzip_encode` / `splitzip_decode`, `quantize_int4h` / `dequantize_int4h`
-(Hadamard-rotated INT4) and `wsum64` pick the backend: the Triton kernel for CUDA tensors, the
-PyTorch reference otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
+(Hadamard-rotated INT4), `wsum64` and `poly61_many` (the keyed hash behind the seal's MAC over
+device buffers) pick the backend: the Triton kernel for CUDA tensors, the PyTorch reference
+otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
 `TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only when used.
 """
 
@@ -14,6 +15,7 @@ import torch
 from rekv_core.kernels.checksum_reference import wsum64_reference
 from rekv_core.kernels.groupwise_reference import (GROUP_SIZE, dequantize_reference,
                                                    quantize_reference)
+from rekv_core.kernels.polymac_reference import Poly61Key, poly61_reference
 from rekv_core.kernels.hadamard_reference import (dequantize_int4h_reference,
                                                   quantize_int4h_reference)
 from rekv_core.kernels.spectrum_reference import (dequantize_tokens_reference,
@@ -125,7 +127,17 @@ def wsum64_many(buffers: list[torch.Tensor], backend: str = "auto") -> list[int]
     return [wsum64_reference(b) for b in buffers]
 
 
-__all__ = ["BACKENDS", "GROUP_SIZE", "SPLITZIP_CHUNK", "ExponentHistogram", "calibrate_codebook",
+def poly61_many(buffers: list[torch.Tensor], key: Poly61Key, backend: str = "auto") -> list[int]:
+    """The keyed `poly61` hash of each 1-D uint8 tensor (contract in `polymac_reference.py`); on
+    the Triton path (contiguous buffers, one device) with one wait for the device for all."""
+    if buffers and _use_triton(buffers[0].device, backend):
+        from rekv_core.kernels.polymac_triton import poly61_triton_many
+        return poly61_triton_many(buffers, key)
+    return [poly61_reference(b, key) for b in buffers]
+
+
+__all__ = ["BACKENDS", "GROUP_SIZE", "SPLITZIP_CHUNK", "ExponentHistogram", "Poly61Key",
+           "calibrate_codebook",
            "dequantize_groupwise", "dequantize_int4h", "dequantize_tokens", "quantize_groupwise",
            "quantize_int4h", "quantize_tokens",
-           "splitzip_decode", "splitzip_encode", "wsum64", "wsum64_many"]
+           "poly61_many", "splitzip_decode", "splitzip_encode", "wsum64", "wsum64_many"]

@@ -17,6 +17,12 @@ none, so that one process serves every kind of fault in turn.
   layer 0) after it was sealed: what a bad link or a bad DIMM would do; `flip_late_bit`: the
   same in the last prefix layer c−1 (pipelined: its first rows), which the decode side can
   recover by recomputing layers 0..c−1 alone (cut >= 1).
+  layer 0) after it was sealed: what a bad link or a bad DIMM would do.
+- `forge_checksum`: change 5 bytes in the middle of the first payload of 8 bytes or more after
+  it was sealed so that its checksum still holds (CRC32, on the host: XOR the CRC's generator
+  polynomial, whose multiples leave it unchanged; wsum64, on a device: two words changed by
+  amounts that cancel in its weighted sum): what a party on the path without the key would do,
+  which only the seal's MAC over the bytes catches.
 - `replay`: send, in place of this handoff's boundary, the boundary of the previous handoff this
   worker sent, re-addressed to this handoff's request and place (a replay by someone who can
   rewrite frames but not forge MACs); with no previous handoff it is sent unchanged.
@@ -34,13 +40,17 @@ import threading
 import torch
 
 from rekv_core.codecs import Codec, EncodeContext, EncodedKV
+from rekv_core.codecs.checksum import default_algorithm
 from rekv_core.connector import Decision
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name, layer_rows_name
+from rekv_core.kernels.checksum_reference import WEIGHT_MODULUS
 from rekv_core.transport import Message, TransportSender
 from services.settings import BY_REQUEST, FAULTS
 
 log = logging.getLogger("rekv.prefill.faults")
+CRC32_GENERATOR = 0x1DB710641  # reflected, x^32 included: XOR-ing it anywhere keeps a CRC32
+FORGED_MIN_BYTES = 8
 
 
 class Faults:
@@ -101,7 +111,7 @@ class _HandoffFaults:
         self.faults, self.fault, self.request_id, self.transfer = faults, fault, request_id, \
             transfer
         self.cut, self.sender = cut, sender
-        self.flipped = False
+        self.flipped = self.forged = False
 
     def before_send(self, message: Message) -> Message:
         fault = self.fault
@@ -115,6 +125,15 @@ class _HandoffFaults:
             log.warning("fault injection: flipped a bit of %s/%s of transfer %s", message.name,
                         name, message.request_id)
             return dataclasses.replace(message, buffers={**message.buffers, name: flipped})
+        if fault == "forge_checksum" and not self.forged:
+            for name, buffer in message.buffers.items():
+                if buffer.numel() >= FORGED_MIN_BYTES:
+                    self.forged = True
+                    log.warning("fault injection: forged %s/%s of transfer %s, its checksum "
+                                "kept", message.name, name, message.request_id)
+                    forged = forged_keeping_checksum(buffer, default_algorithm(buffer.device))
+                    return dataclasses.replace(message, buffers={**message.buffers,
+                                                                 name: forged})
         if message.name in (BOUNDARY, TOKENS):
             return self.faults.replayed(message, fault == "replay")
         return message
@@ -150,3 +169,16 @@ class _CoarseCodec:
     def encode(self, k: torch.Tensor, v: torch.Tensor, checksums: bool = True,
                context: EncodeContext = EncodeContext()) -> EncodedKV:
         return self._inner.encode(coarsened(k), coarsened(v), checksums, context)
+def forged_keeping_checksum(buffer: torch.Tensor, algorithm: str) -> torch.Tensor:
+    """A copy of a 1-D uint8 buffer of at least 8 bytes with 5 to 8 bytes changed and its
+    checksum under `algorithm` (crc32 or wsum64) unchanged."""
+    forged = buffer.clone()
+    middle = forged.numel() // 2 // 4 * 4 - 4 if forged.numel() >= 12 else 0
+    if algorithm == "crc32":
+        pattern = torch.tensor(list(CRC32_GENERATOR.to_bytes(5, "little")), dtype=torch.uint8)
+        forged[middle:middle + 5] ^= pattern
+    else:  # wsum64: words j and j + 1 changed by their weights crossed over: the sum stays
+        words, j = forged[middle:middle + 8].view(torch.int32), middle // 4
+        words[1] += j % WEIGHT_MODULUS + 1
+        words[0] -= (j + 1) % WEIGHT_MODULUS + 1
+    return forged

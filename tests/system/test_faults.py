@@ -200,7 +200,7 @@ def _rogue(*args: str) -> None:
     assert done.returncode == 0 and "sent" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("fault", ["flip_bit", "replay"])
+@pytest.mark.parametrize("fault", ["flip_bit", "forge_checksum", "replay"])
 def test_tampered_messages_are_never_written_into_a_cache(cluster, reference, fault):
     prefill = cluster.prefill()
     assert not cluster.request(f"before-{fault}").summary.fallback  # replay: the one replayed

@@ -23,7 +23,7 @@ import torch
 
 from rekv_core.codecs import CorruptPayloadError, EncodedKV, HadamardInt4Codec, get_codec
 from rekv_core.handoff import Action, Sealing, receive_handoff, send_handoff, wire_bytes
-from rekv_core.handoff.seal import MAC_BYTES, SealError, new_key
+from rekv_core.handoff.seal import SEAL_BYTES, SealError, new_key
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer, TransferState
 from rekv_core.kernels.spectrum_reference import tier_counts
@@ -272,7 +272,7 @@ def _tamper_escapes(change, sealed: bool):
     """Rewrite layer.1's header meta `escapes` with `change` (after the MAC when sealed)."""
     def apply(message):
         if message.name == "layer.1":
-            mac = message.header[:MAC_BYTES] if sealed else b""
+            mac = message.header[:SEAL_BYTES] if sealed else b""
             header = message.header[len(mac):]
             body = json.loads(header[5:])
             change(body["meta"]["escapes"])

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rekv_core.handoff import seal
+from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import TAG_BYTES, SealError, decrypt, encrypt, new_key
 from rekv_core.transport import Message
 
@@ -159,9 +160,9 @@ def test_encryption_needs_a_handoff_key(key):
 def test_encrypt_then_seal_composes_with_open_then_decrypt():
     key, message = new_key(), _message((4097, 0, 33))
     plain = {name: b.clone() for name, b in message.buffers.items()}
-    wire = seal.seal(key, encrypt(key, message))
+    wire = seal.seal(key, encrypt(key, message), Protection.AEAD)
     received = _clone(wire)
-    opened = seal.open_message(key, received)
+    opened = seal.open_message(key, received, Protection.AEAD)
     with pytest.raises(SealError, match="checksum mismatch"):
         seal.check_checksums(opened)  # still ciphertext: the checksums are the plaintext's
     decrypted = decrypt(key, opened)
@@ -172,10 +173,10 @@ def test_encrypt_then_seal_composes_with_open_then_decrypt():
 
 def test_the_mac_covers_the_ciphertext_sizes():
     key = new_key()
-    wire = seal.seal(key, encrypt(key, _message((64,))))
+    wire = seal.seal(key, encrypt(key, _message((64,))), Protection.AEAD)
     wire.buffers["b0"] = wire.buffers["b0"][:-1].clone()
     with pytest.raises(SealError, match="MAC"):
-        seal.open_message(key, wire)
+        seal.open_message(key, wire, Protection.AEAD)
 
 
 def test_device_buffers_are_refused_with_a_clear_error():
