@@ -1,6 +1,6 @@
 """Request tracing across the two services as real processes: each exports OTLP over gRPC, as
 configured by the standard `OTEL_*` variables, to a collector in this test
-(`support/otlp_collector.py`). A router's W3C `traceparent` on `Decode.Generate` makes one trace
+(`rekv_cli/bench/otlp_collector.py`). A router's W3C `traceparent` on `Decode.Generate` makes one trace
 of both processes' spans, in the right parent-child structure, with the handoff's attributes."""
 
 import secrets
@@ -8,9 +8,9 @@ import secrets
 import grpc
 import pytest
 
+from rekv_cli.bench.otlp_collector import OtlpCollector
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair
-from tests.support.otlp_collector import OtlpCollector
 from tests.support.paths import ROOT
 
 SETTINGS = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens", "256",

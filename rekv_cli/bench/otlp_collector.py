@@ -1,9 +1,10 @@
-"""An OTLP trace collector for the tests: a gRPC server on loopback implementing OpenTelemetry's
-`TraceService` (the proto a deployment's collector serves), keeping every span it is sent.
+"""An OTLP trace collector for the tracing test and benchmark: a gRPC server on loopback
+implementing OpenTelemetry's `TraceService` (the proto a deployment's collector serves), keeping
+every span it is sent (`keep=False`: counting them only).
 
 `OtlpCollector()` listens on a free port (`endpoint`, for `OTEL_EXPORTER_OTLP_ENDPOINT`);
 `spans` are the `CollectedSpan`s received so far, with the `service.name` of their resource;
-`stop()` closes it.
+`received` counts them; `stop()` closes it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def _collected(service: str, span: Span) -> CollectedSpan:
 
 
 class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self):
+    def __init__(self, keep: bool = True):
+        self.keep, self.received = keep, 0
         self._spans: list[CollectedSpan] = []
         self._lock = threading.Lock()
         self._server = grpc.server(ThreadPoolExecutor(max_workers=4))
@@ -63,14 +65,17 @@ class OtlpCollector(trace_service_pb2_grpc.TraceServiceServicer):
         return f"http://127.0.0.1:{self.port}"
 
     def Export(self, request, context):
-        received = []
+        received, count = [], 0
         for resource_spans in request.resource_spans:
             service = next((_value(a.value) for a in resource_spans.resource.attributes
                             if a.key == "service.name"), "")
             for scope in resource_spans.scope_spans:
-                received += [_collected(service, span) for span in scope.spans]
+                count += len(scope.spans)
+                if self.keep:
+                    received += [_collected(service, span) for span in scope.spans]
         with self._lock:
             self._spans += received
+            self.received += count
         return trace_service_pb2.ExportTraceServiceResponse()
 
     @property
