@@ -144,3 +144,20 @@ def test_a_failed_handoff_says_why_and_shows_the_recompute(traced):
     assert handoff.attributes["rekv.cut"] == 0  # recomputed here from the token ids
     assert set(_children(theirs, handoff)) == {"negotiation", "recompute"}
     assert not root.failed  # the request itself was served
+
+
+def test_without_opentelemetry_the_services_serve_untraced_and_say_why(tmp_path):
+    """A machine without the packages (the lent GPU machine) that is asked for traces: both
+    services start, log why tracing is off, and serve."""
+    hidden = ROOT / "tests" / "support" / "without_opentelemetry"
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9", "PYTHONPATH": f"{hidden}:{ROOT}"}
+    pair = ServicePair(SETTINGS, SETTINGS, log_dir=tmp_path, env=env)
+    try:
+        with grpc.insecure_channel(pair.decode_address) as channel:
+            served = generate(channel, "untraced", PROMPT, 2, ("bf16", CUT))
+    finally:
+        codes = pair.stop()
+    assert codes == {"decode": 0, "prefill": 0} and not served.summary.fallback
+    for role in ("prefill", "decode"):
+        log = (tmp_path / f"{role}.log").read_text()
+        assert "OpenTelemetry is not installed" in log and "tracing is off" in log, log[-2000:]
