@@ -9,10 +9,12 @@ the time of a request itself.
    (`decode_request`, `prefill_request`: the calls of `services/decode/server.py`,
    `services/decode/handoff.py`, `services/prefill/server.py`, with the helpers of
    `services/request_spans.py` on real reports and a real planner decision), in a loop of
-   --loop-requests requests, three ways: `none` (the loop with no tracing code), `off`
-   (`services.tracing.TRACING_OFF`) and `on` (the OpenTelemetry SDK with its batch processor,
-   exporting to memory). Each of --rounds rounds times every case once, in an order that turns
-   by one each round; reported: the median µs per request, less `none`'s for the others.
+   --loop-requests requests, four ways: `none` (the loop with no tracing code), `off`
+   (`services.tracing.TRACING_OFF`), `on` (the OpenTelemetry SDK with its batch processor,
+   exporting to memory) and `on, a span per message` (the prefill worker's messages as a span
+   each instead of events of one: the alternative). Each of --rounds rounds times every case
+   once, in an order that turns by one each round; reported: the median µs per request, less
+   `none`'s for the others.
 2. The services, as processes: two pairs of the prefill and decode services on loopback (one
    torch thread each), one with tracing off, one exporting OTLP over gRPC to a collector in this
    process; --requests rounds, each sending one request to each pair in turn (the order
@@ -112,8 +114,9 @@ def decode_request(tracing, f: dict) -> None:
     trace.end(None)
 
 
-def prefill_request(tracing, f: dict) -> None:
-    """The tracing calls of one `Prefill.Handoff`, its messages noted where tracing is on."""
+def prefill_request(tracing, f: dict, span_per_message: bool = False) -> None:
+    """The tracing calls of one `Prefill.Handoff`, its messages noted where tracing is on: as
+    events (what the service does), or `span_per_message`, the alternative, a span each."""
     trace = tracing.request("Handoff", ROUTER, request_id="bench", transfer_id="bench/0")
     with trace.span("plan") as plan:
         describe_decision(plan, f["decision"])
@@ -125,17 +128,21 @@ def prefill_request(tracing, f: dict) -> None:
                 posted.after_send(name)
             span.set(prefill_ms=30.0, send_ms=25.0, q_ms=2.0,
                      **{f"bytes_{k}": v for k, v in f["report"].bytes.as_dict().items()})
-            posted.record(trace, span)
+            if span_per_message:
+                for (name, at), (_, end) in zip(posted.posted, posted.posted[1:]):
+                    trace.record(name, at, end, span)
+            else:
+                posted.record(trace, span)
     trace.end(None)
 
 
-def _loop(tracing, f: dict, requests: int) -> float:
+def _loop(tracing, f: dict, requests: int, span_per_message: bool = False) -> float:
     """Seconds per request of `requests` requests' tracing calls (`tracing` None: none)."""
     start = time.perf_counter()
     for _ in range(requests):
         if tracing is not None:
             decode_request(tracing, f)
-            prefill_request(tracing, f)
+            prefill_request(tracing, f, span_per_message)
     return (time.perf_counter() - start) / requests
 
 
@@ -143,14 +150,16 @@ def span_code(requests: int, rounds: int, prompt_tokens: int) -> dict:
     f = _fixtures(prompt_tokens)
     exporter = InMemorySpanExporter()
     on = SdkTracing("bench", exporter)
-    cases = {"none": None, "off": TRACING_OFF, "on": on}
+    cases = {"none": (None, False), "off": (TRACING_OFF, False), "on": (on, False),
+             "on, a span per message": (on, True)}
     names = list(cases)
     samples = {name: [] for name in names}
     for name in names:  # warm-up
-        _loop(cases[name], f, max(1, requests // 10))
+        _loop(cases[name][0], f, max(1, requests // 10), cases[name][1])
     for round_ in range(rounds):
-        for name in names[round_ % 3:] + names[:round_ % 3]:
-            samples[name].append(_loop(cases[name], f, requests))
+        turn = round_ % len(names)
+        for name in names[turn:] + names[:turn]:
+            samples[name].append(_loop(cases[name][0], f, requests, cases[name][1]))
         on.provider.force_flush()
         exporter.clear()
     on.shutdown()

@@ -25,6 +25,12 @@ def test_one_timed_request_makes_every_span_of_both_services():
     sent = [s for s in exporter.get_finished_spans() if s.name == "prefix_layers"
             and s.events]
     assert [e.name for e in sent[0].events] == [f"layer.{i}" for i in range(tracing_cost.CUT)]
+    exporter = InMemorySpanExporter()  # the last one was shut down with its provider
+    tracing = SdkTracing("bench", exporter)
+    tracing_cost.prefill_request(tracing, fixtures, span_per_message=True)
+    tracing.shutdown()
+    spans = [s.name for s in exporter.get_finished_spans()]
+    assert [f"layer.{i}" for i in range(tracing_cost.CUT)] == [s for s in spans if "layer" in s]
     tracing_cost.decode_request(TRACING_OFF, fixtures)  # off: nothing to keep, nothing raised
     tracing_cost.prefill_request(TRACING_OFF, fixtures)
 
@@ -32,7 +38,7 @@ def test_one_timed_request_makes_every_span_of_both_services():
 def test_the_span_code_rows_and_report():
     code = tracing_cost.span_code(requests=3, rounds=2, prompt_tokens=32)
     rows = {row["case"]: row for row in code["rows"]}
-    assert list(rows) == ["none", "off", "on"]
+    assert list(rows) == ["none", "off", "on", "on, a span per message"]
     assert all(len(row["samples_s"]) == 2 for row in rows.values())
     assert rows["none"]["us_beyond_none"] == 0.0
     assert rows["on"]["us_per_request"] > rows["none"]["us_per_request"]
