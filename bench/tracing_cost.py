@@ -1,7 +1,7 @@
 """What request tracing costs: off (the default) against no tracing code at all, and on, beside
 the time of a request itself.
 
-    python bench/tracing_cost.py [--loop-requests 2000] [--rounds 15] [--requests 24]
+    python bench/tracing_cost.py [--loop-requests 100] [--rounds 31] [--requests 24]
                                  [--prompt-tokens 200] [--new-tokens 8] [--json FILE]
                                  [--markdown FILE]
 
@@ -13,8 +13,9 @@ the time of a request itself.
    (`services.tracing.TRACING_OFF`), `on` (the OpenTelemetry SDK with its batch processor,
    exporting to memory) and `on, a span per message` (the prefill worker's messages as a span
    each instead of events of one: the alternative). Each of --rounds rounds times every case
-   once, in an order that turns by one each round; reported: the median µs per request, less
-   `none`'s for the others.
+   once, in an order that turns by one each round, and the exporter's queue is emptied after each
+   sample, untimed (the services export on a thread of their own; what that costs them shows in
+   part 2); reported: the median µs per request, less `none`'s for the others.
 2. The services, as processes: two pairs of the prefill and decode services on loopback (one
    torch thread each), one with tracing off, one exporting OTLP over gRPC to a collector in this
    process; --requests rounds, each sending one request to each pair in turn (the order
@@ -160,8 +161,8 @@ def span_code(requests: int, rounds: int, prompt_tokens: int) -> dict:
         turn = round_ % len(names)
         for name in names[turn:] + names[:turn]:
             samples[name].append(_loop(cases[name][0], f, requests, cases[name][1]))
-        on.provider.force_flush()
-        exporter.clear()
+            on.provider.force_flush()  # untimed: the next sample starts with an empty queue
+            exporter.clear()
     on.shutdown()
     none = statistics.median(samples["none"])
     rows = []
@@ -262,9 +263,11 @@ def report(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--loop-requests", type=int, default=2000,
-                        help="requests per timed sample of the span code (default 2000)")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds (default 15)")
+    parser.add_argument("--loop-requests", type=int, default=100,
+                        help="requests per timed sample of the span code (default 100: their "
+                             "spans fit the batch processor's queue, which is emptied, untimed, "
+                             "after each sample)")
+    parser.add_argument("--rounds", type=int, default=31, help="timed rounds (default 31)")
     parser.add_argument("--requests", type=int, default=24,
                         help="rounds through the two service pairs (default 24; 0: skip them)")
     parser.add_argument("--prompt-tokens", type=int, default=200, help="prompt length")
