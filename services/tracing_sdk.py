@@ -11,17 +11,22 @@ variables: the resource (`OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`), the s
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter,
                                             SpanExporter)
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 RPC_SERVICES = {"Generate": "rekv.v1.Decode", "Handoff": "rekv.v1.Prefill"}
+# A caller's strings (a request id) become attributes before they are checked: unless the
+# OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT variables say otherwise, no value is kept longer than this.
+ATTRIBUTE_LENGTH = 256
+LENGTH_LIMITS = ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT")
 
 
 def now_ns(at: float, offset_ns: int) -> int:
@@ -112,12 +117,15 @@ class SdkTrace:
 class SdkTracing:
     recording = True
 
-    def __init__(self, role: str, exporter: SpanExporter):
+    def __init__(self, role: str, exporter: SpanExporter,
+                 environ: Mapping[str, str] = os.environ):
         resource = Resource.create()
         if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
             resource = resource.merge(Resource({SERVICE_NAME: f"rekv-{role}"}))
         self.resource = resource.merge(Resource({"rekv.role": role}))
-        self.provider = TracerProvider(resource=self.resource)
+        limited = any(environ.get(name) for name in LENGTH_LIMITS)
+        self.provider = TracerProvider(resource=self.resource, span_limits=SpanLimits(
+            max_attribute_length=None if limited else ATTRIBUTE_LENGTH))
         self.exporter = exporter
         self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
         self.tracer = self.provider.get_tracer("rekv")

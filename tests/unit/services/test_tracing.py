@@ -190,3 +190,16 @@ def test_the_message_log_notes_each_message_around_the_fault_hooks(recorded):
     assert [e.name for e in spans["boundary"].events] == ["boundary", "boundary.1"]
     assert spans["boundary"].attributes["rekv.messages"] == 2
     assert MessageLog().before_send("m") == "m"
+
+
+def test_a_callers_long_strings_are_cut_unless_the_limit_variables_say_otherwise():
+    for environ, kept in (({}, 256), ({"OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "1000"}, 1000)):
+        exporter = InMemorySpanExporter()
+        with pytest.MonkeyPatch.context() as patch:  # the SDK reads the limit it is left
+            for name, value in environ.items():
+                patch.setenv(name, value)
+            tracing = SdkTracing("decode", exporter, environ)
+            tracing.request("Generate", request_id="x" * 5000).end()
+        tracing.shutdown()
+        (span,) = exporter.get_finished_spans()
+        assert len(span.attributes["rekv.request_id"]) == kept
