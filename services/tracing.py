@@ -9,8 +9,8 @@
   `service.name` `rekv-<role>` unless they name one; sampler from `OTEL_TRACES_SAMPLER` and its
   `_ARG`, parent-based always-on by default; attribute values cut at 256 characters unless the
   `OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT` variables set a limit) and a batch processor
-  (`OTEL_BSP_*`) feeding the exporter `OTEL_TRACES_EXPORTER` names: `otlp` (the default; gRPC, configured by the
-  `OTEL_EXPORTER_OTLP_*` variables) or `console`;
+  (`OTEL_BSP_*`) feeding the exporter `OTEL_TRACES_EXPORTER` names: `otlp` (the default; gRPC,
+  configured by the `OTEL_EXPORTER_OTLP_*` variables) or `console`;
 - asked for on a machine without the packages: off, with a warning saying so.
 A value it cannot serve (another exporter, an OTLP protocol other than `grpc`) is a ValueError
 naming the variable, at start. `shutdown()` flushes what is still queued.
