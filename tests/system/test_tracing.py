@@ -1,7 +1,8 @@
 """Request tracing across the two services as real processes: each exports OTLP over gRPC, as
 configured by the standard `OTEL_*` variables, to a collector in this test
-(`rekv_cli/bench/otlp_collector.py`). A router's W3C `traceparent` on `Decode.Generate` makes one trace
-of both processes' spans, in the right parent-child structure, with the handoff's attributes."""
+(`rekv_cli/bench/otlp_collector.py`). A router's W3C `traceparent` on `Decode.Generate` makes
+one trace of both processes' spans, in the right parent-child structure, with the handoff's
+attributes; without OpenTelemetry installed both serve, untraced, and say why."""
 
 import secrets
 
