@@ -53,12 +53,14 @@ def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int]
              max_new_tokens: int, forced_action: tuple[str, int] | None = None,
              sampling: dict | None = None, stop_at_eos: bool | None = None,
              timeout: float | None = 300.0,
-             forced_schedule: tuple | None = None) -> Generation:
+             forced_schedule: tuple | None = None,
+             metadata: Sequence[tuple[str, str]] | None = None) -> Generation:
+    """`metadata`: the call's gRPC metadata, e.g. a router's W3C `traceparent`."""
     stub = rekv_pb2_grpc.DecodeStub(channel)
     request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
                                stop_at_eos, forced_schedule)
     tokens, pieces, summary, count = [], [], None, 0
-    for response in stub.Generate(request, timeout=timeout):
+    for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         count += 1
         tokens.extend(response.token_ids)
         pieces.append(response.text)

@@ -1,11 +1,13 @@
 """What both services share: the gRPC server's life cycle on uvloop, health, reflection, the
 metrics endpoint, the ready file and graceful shutdown; and the base of both workers.
 
-`serve(settings, build)` loads nothing itself: `build(server, metrics)` adds the servicers and
+`serve(settings, build)` loads nothing itself: `build(server, metrics, tracing)` adds the
+servicers (`tracing`: `services.tracing`, from the `OTEL_*` variables, off by default) and
 returns (service names, an async `drain()` the shutdown awaits, and extra ready-file fields). On
 SIGTERM or SIGINT the health status turns NOT_SERVING, the server stops accepting calls and gives
 in-flight ones `shutdown_grace_s` to finish, after which they are cancelled (their handoffs fail
-cleanly and free their buffers); then `drain()` runs and the process exits 0.
+cleanly and free their buffers); then `drain()` runs, the spans still queued are exported, and the
+process exits 0.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from services import tls
 from services.admission import Admission
 from services.metrics import ServiceMetrics
 from services.settings import ServiceSettings
+from services.tracing import Tracing
 
 log = logging.getLogger("rekv.serve")
 
 MAX_MESSAGE_BYTES = 64 << 20
-Build = Callable[[grpc.aio.Server, ServiceMetrics],
+Build = Callable[[grpc.aio.Server, ServiceMetrics, Tracing],
                  Awaitable[tuple[list[str], Callable[[], Awaitable[None]], dict]]]
 
 
@@ -104,9 +107,10 @@ def run(settings: ServiceSettings, build: Build) -> int:
 
 async def serve(settings: ServiceSettings, build: Build) -> int:
     metrics = ServiceMetrics(settings.role)
+    tracing = Tracing.from_env(settings.role)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                       ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-    names, drain, extra = await build(server, metrics)
+    names, drain, extra = await build(server, metrics, tracing)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*names, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -148,5 +152,6 @@ async def serve(settings: ServiceSettings, build: Build) -> int:
         await probes[0].stop(0)
     await server.stop(settings.shutdown_grace_s)
     await drain()
+    await asyncio.to_thread(tracing.shutdown)
     log.info("%s service stopped", settings.role)
     return 0

@@ -47,7 +47,7 @@ from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
 
 class SendHooks(Protocol):
-    """Fault injection around each message of a handoff (tests only)."""
+    """Around each message of a handoff: fault injection (tests only), the services' tracing."""
 
     def before_send(self, message: Message) -> Message:
         """The sealed message, or what is sent instead."""
@@ -72,7 +72,7 @@ def send_handoff(transport: TransportSender, plan: HandoffPlan, source: PrefillS
     stops before its next message, and the flush waits no longer than its deadline (or its stall
     limit); it ends DONE or FAILED. `sealing`: the key from the decode side, with which every
     message is sealed, and whether every buffer is encrypted too (`seal`). `hooks`: fault
-    injection (`SendHooks`)."""
+    injection, tracing (`SendHooks`)."""
     _check_source(plan, source)
     stream = streams.side_stream(source.device)
     try:

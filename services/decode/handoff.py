@@ -25,7 +25,9 @@ ones kept (`partial`), else the whole prompt (`full`; `rekv_core.handoff.recover
 `rekv_fallback_recompute_seconds` and `rekv_fallback_recomputed_layers_total` by scope; or, with
 `on_handoff_failure = fail`, the call ends with UNAVAILABLE. Only the caller's own bad input
 (INVALID_ARGUMENT from the prefill side) and the caller's cancel or deadline end the call
-instead.
+instead. Where tracing is on, the handoff is a span of the request's trace
+(`services.request_spans`), and the `Handoff` call carries its `negotiation` span's context to the
+prefill worker.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ from services.calls import GenerateCall, HandoffReport
 from services.decode.prefill_pool import NoCompatiblePeer, PrefillPool
 from services.decode.worker import DecodeWorker
 from services.errors import FINGERPRINT_TRAILER, HandoffFailed, InvalidArgument
+from services.request_spans import ReceiveClock, describe_report, record_receive, record_recompute
+from services.tracing import NO_SPAN, OFF, Span, Trace
 
 log = logging.getLogger("rekv.decode")
 
@@ -108,7 +112,15 @@ class Handoffs:
         self.in_flight = 0
 
     async def run(self, call: GenerateCall, ids: list[int], time_remaining: float | None,
-                  queue: int) -> Handed:
+                  queue: int, trace: Trace = OFF) -> Handed:
+        with trace.span("handoff", prompt_tokens=len(ids)) as span:
+            handed = await self._run(call, ids, time_remaining, queue, trace, span)
+            describe_report(span, handed.report)
+            record_recompute(trace, span, handed.report)
+        return handed
+
+    async def _run(self, call: GenerateCall, ids: list[int], time_remaining: float | None,
+                   queue: int, trace: Trace, span: Span) -> Handed:
         connector = self.connector
         self.in_flight += 1
         in_flight = self.in_flight
@@ -116,10 +128,14 @@ class Handoffs:
         began = time.perf_counter()
         pending = connector.begin(call.request_id, len(ids), call.max_new_tokens,  # 1
                                   time_remaining, f"{call.request_id}/{uuid.uuid4().hex}")
-        receiving = asyncio.ensure_future(asyncio.to_thread(connector.receive, pending))
+        clock = ReceiveClock()
+        receiving = asyncio.ensure_future(asyncio.to_thread(clock.timed, connector.receive,
+                                                            pending))
+        negotiation = trace.span("negotiation", span, client=True)
         try:
-            (result, sharing), reply = await self._negotiate(
-                call, ids, pending, in_flight, queue, receiving)  # 2, 3
+            (result, sharing), reply = await self._negotiate(  # 2, 3
+                call, ids, pending, in_flight, queue, receiving, negotiation)
+            record_receive(trace, span, clock.began, result)
         except _Failed as failed:
             connector.abandon(pending, str(failed))  # wakes the receiving thread
             await asyncio.gather(receiving, return_exceptions=True)
@@ -135,7 +151,9 @@ class Handoffs:
         return self._learn(pending, result, reply, sharing)
 
     async def _negotiate(self, call: GenerateCall, ids: list[int], pending: PendingHandoff,
-                         in_flight: int, queue: int, receiving: asyncio.Future):
+                         in_flight: int, queue: int, receiving: asyncio.Future,
+                         negotiation: Span = NO_SPAN):
+        """`negotiation`: the `Handoff` call's span, ended with the call."""
         offer = self.connector.offer(len(ids), in_flight, queue)
         transfer = pending.transfer
         request = wire_convert.handoff_request(HandoffCall(
@@ -144,12 +162,18 @@ class Handoffs:
         try:
             peer = self.prefill.pick()
         except NoCompatiblePeer as exc:  # every replica serves another model
+            negotiation.end(exc)
             raise _Failed("model_mismatch", str(exc)) from None
         except ConnectionError as exc:  # no replica known yet: never lose the request
+            negotiation.end(exc)
             raise _Failed("prefill_unavailable", f"prefill: {exc}") from None
+        negotiation.set(peer=peer.address, transfer_id=transfer.transfer_id)
         timeout = transfer.remaining_s()
         rpc = asyncio.ensure_future(peer.stub.Handoff(
-            request, timeout=None if timeout is None else max(0.0, timeout)))
+            request, timeout=None if timeout is None else max(0.0, timeout),
+            metadata=negotiation.metadata() or None))
+        rpc.add_done_callback(lambda done: negotiation.end(
+            None if done.cancelled() else done.exception()))
         try:
             await asyncio.wait({rpc, receiving}, return_when=asyncio.FIRST_COMPLETED)
             if not rpc.done():  # the data plane ended first

@@ -13,6 +13,8 @@ A call's life cycle:
 7. decode `max_new_tokens` (greedy or seeded sampling), streaming each token;
 8. end the stream with the summary; a sampled lossy handoff's cache then goes to the quality
    canary (`canary`), which checks it in the background while this worker is idle.
+Each call is traced (`services.request_spans`) where tracing is on, as a child of the router's
+W3C trace context in the call's metadata.
 A passed deadline ends the call with DEADLINE_EXCEEDED, a cancel with CANCELLED; the transfer is
 then aborted, which drains whatever the prefill side still sends.
 """
@@ -38,14 +40,17 @@ from services.metrics import ServiceMetrics
 from services.rpc import rekv_pb2, rekv_pb2_grpc
 from services.serving import run
 from services.settings import ServiceSettings
+from services.tracing import TRACING_OFF, Trace, Tracing
 
 log = logging.getLogger("rekv.decode")
 
 
 class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
-    def __init__(self, worker: DecodeWorker, prefill_pool: PrefillPool):
+    def __init__(self, worker: DecodeWorker, prefill_pool: PrefillPool,
+                 tracing: Tracing = TRACING_OFF):
         self.worker = worker
         self.metrics = worker.metrics
+        self.tracing = tracing
         self.handoffs = Handoffs(worker, prefill_pool)
         self.slots = asyncio.Semaphore(worker.settings.max_concurrent)
         self.queue = 0
@@ -54,23 +59,32 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
     async def Generate(self, request, context):
         arrived = time.perf_counter()
         metrics, worker = self.metrics, self.worker
+        trace = self.tracing.request("Generate", context.invocation_metadata(),
+                                     request_id=request.request_id)
         try:
             call = wire_convert.generate_call(request, worker.shape.num_layers)  # 1
             ids = worker.admit(call)
         except InvalidArgument as exc:
             metrics.failures.labels("invalid_argument").inc()
+            trace.end(exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self.queue += 1  # 2
         metrics.queue.set(self.queue)
+        admission = trace.span("admission", queue=self.queue, prompt_tokens=len(ids))
+        failed = None
         try:
             with worker.admission.admit(worker.connector.memory(len(ids), call.max_new_tokens)):
                 async with self.slots:
+                    admission.end()
                     handed = await self.handoffs.run(call, ids, context.time_remaining(),
-                                                     self.queue)  # 3-6
+                                                     self.queue, trace)  # 3-6
                     with worker.connector.load.generating():
-                        async for response in self._generate(call, ids, handed, arrived):  # 7, 8
+                        async for response in self._generate(call, ids, handed, arrived,
+                                                             trace):  # 7, 8
                             yield response
         except BaseException as exc:
+            failed = exc
+            admission.end(exc)
             if isinstance(exc, grpc.aio.AbortError):
                 raise
             if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
@@ -84,14 +98,16 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         finally:
             self.queue -= 1
             metrics.queue.set(self.queue)
+            trace.end(failed)
 
     async def _generate(self, call: GenerateCall, ids: list[int], handed: Handed,
-                        arrived: float):
+                        arrived: float, trace: Trace):
         worker, tokenizer = self.worker, self.worker.tokenizer
         sampler = Sampler(call.sampling)
         logits = handed.logits
         tokens: list[int] = []
         text_so_far, ttft, finish = "", None, "length"
+        span = trace.span("first_token")
         step = worker.decoder(handed.cache)
         while True:  # 7
             token = sampler(logits)
@@ -101,6 +117,9 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             if ttft is None:
                 ttft = time.perf_counter() - arrived
                 self.metrics.ttft.observe(ttft)
+                span.set(ttft_ms=ttft * 1e3)
+                span.end()
+                span = trace.span("decode")
             yield wire_convert.token_response(token, piece)
             if call.stop_at_eos and token == worker.eos_token_id:
                 finish = "eos"
@@ -109,6 +128,10 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                 break
             logits = await asyncio.to_thread(step, token)
         total = time.perf_counter() - arrived  # 8
+        span.set(tokens=len(tokens), finish=finish)
+        span.end()
+        trace.root.set(prompt_tokens=len(ids), new_tokens=len(tokens), ttft_ms=ttft * 1e3,
+                       request_ms=total * 1e3)
         self.metrics.request.observe(total)
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,
                           handed.report)
@@ -124,7 +147,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         yield wire_convert.summary_response(done)
 
 
-async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):
+async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics,
+                tracing: Tracing = TRACING_OFF):
     worker = await asyncio.to_thread(DecodeWorker, settings, metrics)
     pool = PrefillPool(settings.prefill_address, settings.prefill_refresh_s,
                        connect=lambda address: tls.secure_channel(settings, address),
@@ -132,7 +156,7 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
                        incompatible_s=settings.prefill_incompatible_s)
     metrics.watch_incompatible(pool.incompatible)
     await pool.start()
-    servicer = DecodeServicer(worker, pool)
+    servicer = DecodeServicer(worker, pool, tracing)
     rekv_pb2_grpc.add_DecodeServicer_to_server(servicer, server)
 
     async def drain() -> None:
@@ -147,4 +171,5 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
 
 def main(argv: list[str] | None = None) -> int:
     settings = ServiceSettings.from_args("decode", argv)
-    return run(settings, lambda server, metrics: build(settings, server, metrics))
+    return run(settings, lambda server, metrics, tracing: build(settings, server, metrics,
+                                                                tracing))

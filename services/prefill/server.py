@@ -20,7 +20,8 @@ A `Handoff` call's life cycle:
    vanished) stops the sending before its next message and frees its buffers;
 5. record it and answer with the action, its prediction, every candidate and the timings.
 A failure at any step ends the call with the status `errors.status_for` gives it; the sender never
-leaves messages queued for a transfer it gave up.
+leaves messages queued for a transfer it gave up. Where tracing is on, the call is a span under the
+decode worker's `negotiation` (the W3C trace context in its metadata), with `plan` and `send`.
 """
 
 from __future__ import annotations
@@ -37,25 +38,31 @@ from services import wire_convert
 from services.errors import FINGERPRINT_TRAILER, status_for
 from services.metrics import ServiceMetrics
 from services.prefill.worker import PrefillWorker
+from services.request_spans import MessageLog, describe_decision
 from services.rpc import rekv_pb2, rekv_pb2_grpc
 from services.serving import run
 from services.settings import ServiceSettings
+from services.tracing import TRACING_OFF, Trace, Tracing
 
 log = logging.getLogger("rekv.prefill")
 
 
 class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker):
+    def __init__(self, worker: PrefillWorker, tracing: Tracing = TRACING_OFF):
         self.worker = worker
         self.metrics = worker.metrics
+        self.tracing = tracing
         self.active = 0  # handoff calls waiting or running
 
     async def Handoff(self, request, context):
         worker, metrics = self.worker, self.metrics
         started = time.perf_counter()
+        trace = self.tracing.request("Handoff", context.invocation_metadata(),
+                                     request_id=request.request_id,
+                                     transfer_id=request.transfer_id)
         metrics.in_flight.inc()
         self.active += 1
-        transfer = call = None
+        transfer = call = failed = None
         try:
             call = wire_convert.handoff_call(request, worker.shape.name,  # 1
                                              worker.shape.num_layers)
@@ -65,10 +72,12 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                 transfer = Transfer(call.transfer_id, None if remaining is None else
                                     time.monotonic() + remaining,
                                     worker.settings.handoff_timeout_s, worker.transfers)
-                decision = worker.connector.decide(call, self.active - 1)  # 3
-                sent = await _until_done(asyncio.to_thread(
-                    worker.handoff, call, decision, transfer), transfer)  # 4
+                with trace.span("plan") as plan:
+                    decision = worker.connector.decide(call, self.active - 1)  # 3
+                    describe_decision(plan, decision)
+                sent = await _send(worker, call, decision, transfer, trace)  # 4
         except BaseException as exc:
+            failed = exc
             if transfer is not None:
                 transfer.fail(f"{type(exc).__name__}: {exc}")
             code, reason = status_for(exc)
@@ -85,6 +94,7 @@ class PrefillServicer(rekv_pb2_grpc.PrefillServicer):
                 worker.connector.ended(call.transfer_id)
             metrics.in_flight.dec()
             self.active -= 1
+            trace.end(failed)
         report = sent.report  # 5
         metrics.link.set(decision.inputs.link_gbps)
         metrics.record_sent(decision.action, sent.prefill_s, report.quantize_seconds, sent.send_s,
@@ -136,6 +146,23 @@ def _log_handoff(call: HandoffCall, decision: Decision, sent: SentHandoff, total
              inputs.decode_wait_ms, inputs.suffix_ms_per_layer)
 
 
+async def _send(worker: PrefillWorker, call: HandoffCall, decision: Decision,
+                transfer: Transfer, trace: Trace) -> SentHandoff:
+    """Step 4 on a worker thread, as the `send` span with its messages where tracing is on."""
+    if not trace.recording:
+        return await _until_done(asyncio.to_thread(worker.handoff, call, decision, transfer),
+                                 transfer)
+    posted = MessageLog()
+    with trace.span("send") as span:
+        sent = await _until_done(asyncio.to_thread(worker.handoff, call, decision, transfer,
+                                                   posted), transfer)
+        span.set(prefill_ms=sent.prefill_s * 1e3, send_ms=sent.send_s * 1e3,
+                 q_ms=sent.report.quantize_seconds * 1e3,
+                 **{f"bytes_{k}": v for k, v in sent.report.bytes.as_dict().items()})
+        posted.record(trace, span)
+    return sent
+
+
 async def _until_done(work, transfer: Transfer):
     """Await the worker thread's `work`; when this call is cancelled (its decode peer gave up or
     vanished), cancel the transfer, which stops the thread before its next message, and wait for
@@ -149,9 +176,10 @@ async def _until_done(work, transfer: Transfer):
         raise
 
 
-async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics):
+async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: ServiceMetrics,
+                tracing: Tracing = TRACING_OFF):
     worker = await asyncio.to_thread(PrefillWorker, settings, metrics)
-    rekv_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker), server)
+    rekv_pb2_grpc.add_PrefillServicer_to_server(PrefillServicer(worker, tracing), server)
 
     async def drain() -> None:
         await asyncio.to_thread(worker.close)
@@ -163,4 +191,5 @@ async def build(settings: ServiceSettings, server: grpc.aio.Server, metrics: Ser
 
 def main(argv: list[str] | None = None) -> int:
     settings = ServiceSettings.from_args("prefill", argv)
-    return run(settings, lambda server, metrics: build(settings, server, metrics))
+    return run(settings, lambda server, metrics, tracing: build(settings, server, metrics,
+                                                                tracing))

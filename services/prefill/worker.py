@@ -21,6 +21,7 @@ from services.calls import ConnectCall, Connected
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
 from services.prefill.faults import Faults
+from services.request_spans import MessageLog
 from services.serving import Worker
 from services.settings import ServiceSettings
 
@@ -50,14 +51,16 @@ class PrefillWorker(Worker):
             raise InvalidArgument(f"token_ids: id {bad} is outside the vocabulary [0, {vocab})")
         self.connector.check(call)
 
-    def handoff(self, call: HandoffCall, decision: Decision, transfer: Transfer
-                ) -> SentHandoff:
+    def handoff(self, call: HandoffCall, decision: Decision, transfer: Transfer,
+                posted: MessageLog | None = None) -> SentHandoff:
         """Prefill and send under `transfer`; a sender whose peer turned out gone is dropped, so
-        the next handoff to that address connects anew."""
+        the next handoff to that address connects anew. `posted`: notes each message sent."""
         sender = self.senders.to(call.offer.address)
         self.faults.at_negotiation(call.request_id, transfer)
         hooks = self.faults.for_handoff(call.request_id, transfer, decision.action.cut, sender)
         decision = self.faults.decision_for(call.request_id, decision)
+        if posted is not None:
+            hooks = posted.wrapping(hooks)
         try:
             return self.connector.send(call, decision, sender, transfer, hooks)
         except TransportError:

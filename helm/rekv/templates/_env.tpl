@@ -1,7 +1,7 @@
 {{/*
 The container's environment: every service setting as REKV_<FIELD> (services/settings.py), the
 TLS files (or REKV_PLAINTEXT=true with tls.enabled false), the caches under /tmp, UCX's port
-range; context (dict "root" $ "role" role "config" roleConfig).
+range, the OTEL_* variables of tracing (tracing.endpoint set); context (dict "root" $ "role" role "config" roleConfig).
 */}}
 {{- define "rekv.env" -}}
 {{- $v := .root.Values }}
@@ -119,6 +119,32 @@ range; context (dict "root" $ "role" role "config" roleConfig).
 {{- range $name, $value := $v.ucx.env }}
 - name: {{ $name }}
   value: {{ toString $value | quote }}
+{{- end }}
+{{- with $v.tracing }}
+{{- if .endpoint }}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_INSECURE
+  value: {{ ternary "true" "false" .insecure | quote }}
+- name: OTEL_SERVICE_NAME
+  value: {{ printf "%s-%s" (default (include "rekv.fullname" $.root) .serviceName) $.role | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+{{- if .samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ toString .samplerArg | quote }}
+{{- end }}
+{{- $attributes := printf "k8s.namespace.name=%s,k8s.pod.name=$(POD_NAME)" $.root.Release.Namespace }}
+{{- if .resourceAttributes }}
+{{- $attributes = printf "%s,%s" .resourceAttributes $attributes }}
+{{- end }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: {{ $attributes | quote }}
+{{- end }}
 {{- end }}
 {{- with $v.extraEnv }}
 {{ toYaml . }}
