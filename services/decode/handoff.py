@@ -14,7 +14,8 @@ logits, however the handoff goes:
    teaches the connector (`learn`). A verified cache whose reply is late (or lost) is kept: the
    reply only carries timings.
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
-or unauthenticated, a reply that disagrees with the plan, a deadline passed) the receive is
+or unauthenticated, a reply that disagrees with the plan, a lossy plan under the `lossless`
+quality setting, a deadline passed) the receive is
 aborted, which drains whatever the prefill side still sends, and the prompt is recomputed here
 from its token ids, counted in `rekv_fallbacks_total` by reason; or, with `on_handoff_failure =
 fail`, the call ends with UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the
@@ -120,11 +121,12 @@ class Handoffs:
 
     async def _negotiate(self, call: GenerateCall, ids: list[int], pending: PendingHandoff,
                          in_flight: int, queue: int, receiving: asyncio.Future):
-        offer = self.connector.offer(len(ids), in_flight, queue)
+        quality = self.worker.quality(call)
+        offer = self.connector.offer(len(ids), in_flight, queue, quality)
         transfer = pending.transfer
         request = wire_convert.handoff_request(HandoffCall(
             call.request_id, transfer.transfer_id, ids, offer, call.forced_action,
-            pending.sealing, call.forced_delivery))
+            pending.sealing, call.forced_delivery, quality))
         try:
             peer = self.prefill.pick()
         except ConnectionError as exc:  # no replica known yet: never lose the request
@@ -147,6 +149,9 @@ class Handoffs:
             if not rpc.done():
                 rpc.cancel()  # the prefill side sees its call cancelled and stops sending
                 self.prefill.report(peer)
+        if not quality.allows(result[0].plan.action):  # never a lossy cache under lossless
+            raise _Failed("prefill_error", f"prefill: sent {result[0].plan.action} under quality "
+                                           f"{quality.value}")
         if reply is not None:
             try:
                 self.connector.check_reply(result[0].plan, reply)

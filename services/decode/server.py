@@ -108,7 +108,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         total = time.perf_counter() - arrived  # 8
         self.metrics.request.observe(total)
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,
-                          handed.report)
+                          handed.report, worker.quality(call))
+        self.metrics.quality.labels(done.quality.value).inc()
         h = handed.report
         log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f delivery=%s "
                  "predicted_ms=%.1f send_ms=%.1f ttft_ms=%.1f new_tokens=%d fallback=%s "
