@@ -186,6 +186,12 @@ def print_table(console, rows: list[dict], prompts: list[dict], rate, kind: str)
             f"{p['baseline_over_streamed']:.2f}" for p in done) + "; seed / streamed: "
             + ", ".join(f"{p['seed_over_streamed']:.2f}" for p in done) + " (prompts of "
             + ", ".join(str(p["prompt_tokens"]) for p in done) + " tokens)")
+    settings = sorted({r["quality"] for r in rows if r.get("quality")})
+    console.print(f"quality setting: {', '.join(settings) or 'none answered'}. lossless: only "
+                  "actions that reproduce the reference's cache bit for bit, so the answer is "
+                  "the reference's token for token; gated (the default): also the lossy actions "
+                  "the quality gate passed, whose greedy answer may leave the reference's after "
+                  "its first 16 tokens (docs/design.md, The quality gate).")
     differ = [r["id"] for r in rows if r.get("lossless") and r.get("same_tokens") is False]
     if differ:
         console.print(f"[bold red]lossless requests whose tokens differ from the baseline's: "

@@ -66,6 +66,25 @@ def _gate_tokenizer(args, model, settings):
     return tokenizer
 
 
+def _add_regate_parser(sub) -> None:
+    regate = sub.add_parser("regate", help="judge a policy's eligible lossy codecs by greedy "
+                            "generation agreement, lowering max cuts that fail (bisection)")
+    _runtime_flags(regate)
+    regate.add_argument("--policy", required=True, help="the policy to judge (`rekv gate`)")
+    regate.add_argument("--text", required=True, help="plain-text corpus for the prose prompts")
+    regate.add_argument("--tokenizer", default=None, help="as for `rekv gate`")
+    regate.add_argument("--prompt-len", type=int, default=None,
+                        help="the passkey prompt's length (default: the policy's prompt length)")
+    regate.add_argument("--codecs", type=csv_of(str), default=None,
+                        help="judge only these codecs (default: every lossy eligible one)")
+    regate.add_argument("--combine", nargs="+", metavar="RUN", default=None,
+                        help="no model: combine runs of `rekv regate --codecs` on --policy, each "
+                             "on other codecs, into one policy")
+    regate.add_argument("--out", required=True, help="the policy file to write (JSON)")
+    _generation_flags(regate)
+    regate.set_defaults(func=cmd_regate)
+
+
 def add_plan_parsers(sub) -> None:
     profile = sub.add_parser("profile", help="measure per-layer costs on this machine")
     _runtime_flags(profile)
@@ -103,17 +122,7 @@ def add_plan_parsers(sub) -> None:
     _generation_flags(gate)
     gate.set_defaults(func=cmd_gate)
 
-    regate = sub.add_parser("regate", help="judge a policy's eligible lossy codecs by greedy "
-                            "generation agreement, lowering max cuts that fail (bisection)")
-    _runtime_flags(regate)
-    regate.add_argument("--policy", required=True, help="the policy to judge (`rekv gate`)")
-    regate.add_argument("--text", required=True, help="plain-text corpus for the prose prompts")
-    regate.add_argument("--tokenizer", default=None, help="as for `rekv gate`")
-    regate.add_argument("--prompt-len", type=int, default=None,
-                        help="the passkey prompt's length (default: the policy's prompt length)")
-    regate.add_argument("--out", required=True, help="the policy file to write (JSON)")
-    _generation_flags(regate)
-    regate.set_defaults(func=cmd_regate)
+    _add_regate_parser(sub)
 
     plan = sub.add_parser("plan", help="the action the planner would choose, and why")
     plan.add_argument("--model", default=DEFAULT_MODEL, help="a preset name")
@@ -248,6 +257,13 @@ def cmd_regate(args: argparse.Namespace) -> int:
     if args.generation_tokens < 1:
         raise ValueError(f"generation-tokens: must be >= 1, got {args.generation_tokens}")
     policy = Policy.load(args.policy)
+    if args.combine:
+        from rekv_core.plan.gate import combine_regates
+
+        combined = combine_regates(policy, [Policy.load(run) for run in args.combine])
+        combined.save(args.out)
+        print(json.dumps({"max_cut_before": policy.max_cut, "max_cut": combined.max_cut}))
+        return 0
     text = Path(args.text).read_text(encoding="utf-8")
     model, settings = _load_model(args)
     if policy.model != model.shape.name:
@@ -258,7 +274,8 @@ def cmd_regate(args: argparse.Namespace) -> int:
     began = time.perf_counter()
     regated = regate_generations(
         model, policy, prompts, GateConfig(generation_tokens=args.generation_tokens),
-        lambda name: deployed_codec(name, policy.meta), progress=Console(stderr=True).log)
+        lambda name: deployed_codec(name, policy.meta), progress=Console(stderr=True).log,
+        codecs=args.codecs)
     regated.meta.generation.update({"command": "rekv " + " ".join(sys.argv[1:]),
                                     "text": Path(args.text).name, **started,
                                     "seconds": round(time.perf_counter() - began, 1)})

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rekv_core.handoff import Action, Delivery, WireBytes
 from rekv_core.model.sampling import SamplingParams
-from rekv_core.plan.quality import DEFAULT_QUALITY, Quality
+from rekv_core.connector import DEFAULT_QUALITY, Quality
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from rekv_core import env
 from rekv_core.codecs import codec_names
 from rekv_core.model.blocks import chunk_bounds
-from rekv_core.plan.quality import DEFAULT_QUALITY, QUALITIES
+from rekv_core.connector import DEFAULT_QUALITY, QUALITIES
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
 

@@ -12,12 +12,11 @@ import logging
 import math
 
 from rekv_core.codecs import codec_names
-from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
+from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply, Quality
 from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
 from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
 from rekv_core.plan.evidence import MAX_PLANNED_TRANSFERS, DecodeCosts, Evidence, Measured
-from rekv_core.plan.quality import Quality
 from services.calls import Completion, ConnectCall, Connected, GenerateCall
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2

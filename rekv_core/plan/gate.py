@@ -35,7 +35,7 @@ new max cut are marked ineligible, and the policy's meta records the run (`gener
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -192,15 +192,19 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
 
 def regate_generations(model: Model, policy: Policy, prompts: Sequence[GenerationPrompt],
                        config: GateConfig, codec_for: Callable[[str], Codec],
-                       progress: Callable[[str], None] = lambda _: None) -> Policy:
-    """`policy` with each lossy codec's max cut lowered to the largest that meets the generation
-    floor (module doc); `codec_for`: the codecs as the policy deploys them."""
-    window = importance_window([(c, m) for c, m in policy.max_cut.items() if m], codec_for)
+                       progress: Callable[[str], None] = lambda _: None,
+                       codecs: Collection[str] | None = None) -> Policy:
+    """`policy` with each lossy codec's max cut (of `codecs`; None: all) lowered to the largest
+    that meets the generation floor (module doc); `codec_for`: the codecs as the policy deploys
+    them."""
+    codecs = set(policy.max_cut if codecs is None else codecs)
+    window = importance_window([(c, m) for c, m in policy.max_cut.items() if m and c in codecs],
+                               codec_for)
     refs = generations.references(model, prompts, config.generation_tokens, window)
     scores: dict[tuple[str, int], GenerationScore] = {}
     searches = {}
     for codec, high in policy.max_cut.items():
-        built = codec_for(codec)
+        built = codec_for(codec) if codec in codecs else None
         if high == 0 or built is None or built.lossless:
             continue
 
@@ -316,6 +320,27 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
                                   bf16_needles=tuple(reference.needles),
                                   dtype=str(model.dtype),
                                   generation=_generation_record(config, tallies)))
+
+
+def combine_regates(base: Policy, runs: Sequence[Policy]) -> Policy:
+    """`base` with each codec that one of `runs` (`regate_generations` of `base`, each judging
+    other codecs) judged taken from that run: its max cut, its verdicts and its record."""
+    policy = Policy(base.model, base.prompt_len_range, dict(base.max_cut), base.epsilon,
+                    list(base.verdicts), base.meta)
+    record = None
+    for run in runs:
+        judged = set(run.meta.generation["codecs"]) if run.meta.generation else set()
+        if judged & set(record["codecs"] if record else ()):
+            raise ValueError(f"runs: more than one judged {sorted(judged & set(record['codecs']))}")
+        policy.max_cut.update({c: run.max_cut[c] for c in judged})
+        policy.verdicts = [run_v if v["codec"] in judged else v
+                           for v, run_v in zip(policy.verdicts, run.verdicts)]
+        if record is None:
+            record = {**run.meta.generation, "codecs": {}, "runs": []}
+        record["codecs"].update(run.meta.generation["codecs"])
+        record["runs"].append({k: v for k, v in run.meta.generation.items() if k != "codecs"})
+    policy.meta = base.meta.merged(PolicyMeta(generation=record))
+    return policy
 
 
 def _generation_record(config: GateConfig, tallies: dict) -> dict | None:

@@ -13,10 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from rekv_core.connector import DecodeConnector, DecodeOptions
+from rekv_core.connector import DecodeConnector, DecodeOptions, Quality
 from rekv_core.model import KVCache, decode_steps
 from rekv_core.model.tokenizer import load_tokenizer
-from rekv_core.plan.quality import Quality
 from rekv_core.transport import create_receiver
 from services import wire_convert
 from services.calls import GenerateCall

@@ -1,6 +1,8 @@
 """Generation agreement in the quality gate: greedy continuations from an action's cache against
 BF16's, the floor, the cut search, and re-gating a policy by it (real weights, short prompts)."""
 
+import pytest
+
 from rekv_core.eval.generation_set import CHAT, CODE, GenerationPrompt, generation_prompts
 from rekv_core.plan.gate import GateConfig, regate_generations, run_gate
 from rekv_core.plan.generations import GenerationFloor, GenerationScore, largest_passing_cut
@@ -86,3 +88,25 @@ def test_the_calibration_set_holds_code_chat_prose_and_a_passkey(tokenizer):
     prose = next(p for p in prompts if p.kind == "prose")
     assert len(prose.ids) == 64 and list(prose.ids) == ids[len(ids) // 2:][:64]
     assert 200 < len(prompts[-1].ids) <= 300
+
+
+def test_runs_on_different_codecs_combine_into_one_policy():
+    from rekv_core.plan.gate import combine_regates
+
+    verdict = {"eligible": True, "reasons": []}
+    base = Policy("smollm2-135m", (1, 2048), {"int8": 30, "int4h": 30, "splitzip": 30},
+                  verdicts=[{"codec": c, "cut": 30, **verdict} for c in ("int8", "int4h")])
+
+    def run(codec, max_cut):
+        record = {"tokens": 48, "codecs": {codec: {"max_cut": max_cut}}}
+        verdicts = [{**v, "eligible": False, "reasons": ["x"]} if v["codec"] == codec else v
+                    for v in base.verdicts]
+        return Policy(base.model, base.prompt_len_range, {**base.max_cut, codec: max_cut},
+                      verdicts=verdicts, meta={"generation": record})
+
+    combined = combine_regates(base, [run("int8", 4), run("int4h", 9)])
+    assert combined.max_cut == {"int8": 4, "int4h": 9, "splitzip": 30}
+    assert not any(v["eligible"] for v in combined.verdicts)
+    assert set(combined.meta.generation["codecs"]) == {"int8", "int4h"}
+    with pytest.raises(ValueError, match="more than one judged"):
+        combine_regates(base, [run("int8", 4), run("int8", 5)])
