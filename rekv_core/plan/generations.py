@@ -53,7 +53,7 @@ class GenerationFloor:
         """Why `score` fails the floor (empty: it passes)."""
         reasons = []
         early = [(k, d) for k, d in zip(score.kinds, score.divergences)
-                 if d < self.min_agreed_tokens]
+                 if d < min(self.min_agreed_tokens, score.tokens)]  # a whole match is never early
         if early:
             where = ", ".join(f"{kind} at token {d}" for kind, d in early)
             reasons.append(f"greedy output leaves BF16's before token {self.min_agreed_tokens} "
