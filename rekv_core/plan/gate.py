@@ -193,10 +193,10 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
 def regate_generations(model: Model, policy: Policy, prompts: Sequence[GenerationPrompt],
                        config: GateConfig, codec_for: Callable[[str], Codec],
                        progress: Callable[[str], None] = lambda _: None,
-                       codecs: Collection[str] | None = None) -> Policy:
+                       codecs: Collection[str] | None = None, verify: int = 1) -> Policy:
     """`policy` with each lossy codec's max cut (of `codecs`; None: all) lowered to the largest
     that meets the generation floor (module doc); `codec_for`: the codecs as the policy deploys
-    them."""
+    them; `verify`: cuts checked below the one bisection finds."""
     codecs = set(policy.max_cut if codecs is None else codecs)
     window = importance_window([(c, m) for c, m in policy.max_cut.items() if m and c in codecs],
                                codec_for)
@@ -209,12 +209,13 @@ def regate_generations(model: Model, policy: Policy, prompts: Sequence[Generatio
             continue
 
         def passes(cut: int, codec=codec, built=built) -> bool:
-            scores[codec, cut] = generations.score(model, refs, built, cut, reconstructed_cache)
+            scores[codec, cut] = generations.score(model, refs, built, cut, reconstructed_cache,
+                                                   config.floor)
             verdict = config.floor.reasons(scores[codec, cut])
             progress(f"{codec} at cut {cut}: " + ("; ".join(verdict) or "passes"))
             return not verdict
 
-        searches[codec] = generations.largest_passing_cut(passes, high)
+        searches[codec] = generations.largest_passing_cut(passes, high, verify)
     verdicts = []
     for verdict in policy.verdicts:
         codec, cut = verdict["codec"], verdict["cut"]
@@ -230,7 +231,8 @@ def regate_generations(model: Model, policy: Policy, prompts: Sequence[Generatio
         verdicts.append(verdict)
     record = {"tokens": config.generation_tokens, "floor": config.floor.to_json(),
               "prompts": [{"kind": r.prompt.kind, "tokens": len(r.prompt.ids)} for r in refs],
-              "search": "bisection on the cut up to the earlier max cut, then checks below",
+              "search": f"bisection on the cut up to the earlier max cut, then {verify} "
+                        f"check(s) below; an action's decoding stops once it fails the floor",
               "codecs": {codec: {"max_cut_before": policy.max_cut[codec],
                                  "max_cut": search.max_cut, "monotone": search.monotone,
                                  "evaluated": [{"cut": cut, "passed": ok,

@@ -25,6 +25,9 @@ The floor (`GenerationFloor`), which an action must meet on every prompt set it 
   its answers may differ late in a long continuation. Lossless actions (BF16, SplitZip, token-only)
   match every continuation exactly and need no gate.
 
+`score(..., floor)` stops decoding once the action fails the floor whatever the remaining prompts
+do (the search needs only pass or fail; the record says where it stopped).
+
 `largest_passing_cut(passes, high)`: the gate's search for a codec's max cut by bisection, which
 assumes more quantized layers never pass where fewer fail (more error never helps), and then
 checks that on cuts below the one it found (`verify`); a cut there that fails lowers the max cut
@@ -33,6 +36,7 @@ below it, and the search says so.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,6 +67,13 @@ class GenerationFloor:
                            f"BF16's exactly < {self.min_exact_share:.0%}")
         return reasons
 
+    def decided(self, score: GenerationScore, prompts: int) -> bool:
+        """Whether `score`, over the first of `prompts` prompts, fails whatever the rest do."""
+        misses = sum(d < score.tokens for d in score.divergences)
+        best_share = (prompts - misses) / prompts  # should every other prompt match
+        return (score.earliest < min(self.min_agreed_tokens, score.tokens)
+                or best_share < self.min_exact_share)
+
     def to_json(self) -> dict:
         return {"min_agreed_tokens": self.min_agreed_tokens,
                 "min_exact_share": self.min_exact_share}
@@ -80,6 +91,7 @@ class GenerationScore:
     kinds: tuple[str, ...]  # each prompt's kind
     divergences: tuple[int, ...]  # each prompt's first divergence (`tokens`: none)
     tokens: int
+    stopped_early: bool = False  # the rest of the prompts were not decoded: it fails anyway
 
     @property
     def earliest(self) -> int:
@@ -93,6 +105,7 @@ class GenerationScore:
     def to_json(self) -> dict:
         return {"generation_tokens": self.tokens, "generation_exact_share": self.exact_share,
                 "generation_earliest_divergence": self.earliest,
+                **({"generation_stopped_early": True} if self.stopped_early else {}),
                 "generation_divergences": [{"kind": k, "first_divergence": d}
                                            for k, d in zip(self.kinds, self.divergences)]}
 
@@ -125,17 +138,24 @@ def first_divergence(model: Model, reference: Reference, cache: KVCache) -> int:
 
 
 def score(model: Model, refs: Sequence[Reference], codec: Codec, cut: int,
-          rebuild: Callable[..., KVCache]) -> GenerationScore:
+          rebuild: Callable[..., KVCache], floor: GenerationFloor | None = None
+          ) -> GenerationScore:
     """The action (`codec`, `cut`)'s generation agreement over `refs`; `rebuild(keys, values,
-    codec, cut, capacity, importance)` reconstructs its cache (`gate.reconstructed_cache`)."""
-    divergences = []
+    codec, cut, capacity, importance)` reconstructs its cache (`gate.reconstructed_cache`).
+    With `floor`, it stops once the action fails it whatever the remaining prompts do (a
+    search's pass or fail is all it needs; `stopped_early` says so)."""
+    tokens = len(refs[0].tokens) if refs else 0
+    kinds, divergences = [], []
     for ref in refs:
         capacity = len(ref.prompt.ids) + len(ref.tokens)
         cache = rebuild(ref.state.keys, ref.state.values, codec, cut, capacity,
                         ref.state.importance)
         divergences.append(first_divergence(model, ref, cache))
-    tokens = len(refs[0].tokens) if refs else 0
-    return GenerationScore(tuple(r.prompt.kind for r in refs), tuple(divergences), tokens)
+        kinds.append(ref.prompt.kind)
+        partial = GenerationScore(tuple(kinds), tuple(divergences), tokens)
+        if floor is not None and len(kinds) < len(refs) and floor.decided(partial, len(refs)):
+            return dataclasses.replace(partial, stopped_early=True)
+    return GenerationScore(tuple(kinds), tuple(divergences), tokens)
 
 
 @dataclass

@@ -41,6 +41,10 @@ def test_the_floor_fails_an_early_divergence_or_too_few_exact_continuations():
     assert floor.reasons(early) == ["greedy output leaves BF16's before token 16 on 1 of 4 "
                                     "prompts (chat at token 11)"]
     assert floor.reasons(GenerationScore(("code",), (8,), 8)) == []  # 8 of 8 tokens match
+    # a search stops decoding once the rest of the prompts cannot save the action
+    assert floor.decided(GenerationScore(("code",), (11,), 48), prompts=10)
+    assert not floor.decided(GenerationScore(("code", "chat"), (30, 20), 48), prompts=10)
+    assert floor.decided(GenerationScore(("code",) * 3, (30, 20, 40), 48), prompts=10)
     drifting = GenerationScore(("code", "chat", "prose", "passkey"), (48, 30, 20, 48), 48)
     assert len(floor.reasons(drifting)) == 1 and "50%" in floor.reasons(drifting)[0]
 
