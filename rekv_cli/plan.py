@@ -156,6 +156,10 @@ def add_plan_parsers(sub) -> None:
     plan.add_argument("--chunk-tokens", type=int, default=256,
                       help="the boundary's chunk size, a multiple of 256; 0: one message "
                            "(default 256)")
+    plan.add_argument("--quality", choices=("lossless", "gated"), default="gated",
+                      help="the request's quality setting: lossless keeps to actions that "
+                           "reproduce the reference bit for bit (default gated: also what the "
+                           "policy passed)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead")
     plan.set_defaults(func=cmd_plan)
 
@@ -294,6 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
     from rekv_core.plan.policy import Policy, shipped_policy
+    from rekv_core.plan.quality import Quality
 
     shape = get_preset(args.model)
     profile, source = _plan_profile(args)
@@ -312,7 +317,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 profile.layer_cost).cost_inputs(
         shape, args.prompt_len, costs, streamed=args.schedule != "seed",
         chunk_tokens=Delivery(chunk_tokens=args.chunk_tokens).chunk_tokens, orders=orders)
-    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs)
+    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
+                                                       quality=Quality(args.quality))
     if args.json:
         print(json.dumps(decision.as_dict()))
         return 0
