@@ -4,9 +4,10 @@
 
 Reads a JSON list of requests on stdin, each {"id", "prompt" (text), "max_new_tokens", "action":
 [codec, cut] or null (the planner's choice), "schedule": [streamed, boundary chunk tokens] or null
-(the services' default), optionally "quality": "lossless" or "gated"}, sends them one at a time through `Decode.Generate`, and writes one JSON
-line per request on stdout as soon as it is answered: the summary's figures with the generated token
-ids and text, or {"id", "error"} when the call failed (the next request is still sent).
+(the services' default), optionally "quality": "lossless" or "gated"}, sends them one at a time
+through `Decode.Generate`, and writes one JSON line per request on stdout as soon as it is answered:
+the summary's figures with the generated token ids and text, or {"id", "error"} when the call failed
+(the next request is still sent).
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@
 and for boundary states, `gate.calibrate_splitzip`) and `spectrum_probe` (`SpectrumProbe`: whether
 the model tolerates SpectrumKV's INT4 tier, and so how many tiers it runs). The rest records the
 gate's run (prompt length, prompts, continuation, passkey depths, what BF16 found, dtype, text,
-command, the commit it ran from, and the generation-agreement run, `generation`), which `Policy.merged` compares in part. `from_json` reads the
-file's object (keys it does not know are kept in `extra` and written back); `to_json` writes it,
-leaving out what is unset.
+command, the commit it ran from, and the generation-agreement run, `generation`), which
+`Policy.merged` compares in part. `from_json` reads the file's object (keys it does not know are
+kept in `extra` and written back); `to_json` writes it, leaving out what is unset.
 """
 
 from __future__ import annotations

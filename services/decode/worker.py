@@ -2,8 +2,8 @@
 
 `admit(call)` applies this worker's limits and tokenizes; `quality(call)` is the call's quality
 setting, the deployment's (`settings.quality`) where the call sets none; `decoder(cache)` gives a
-request's decode step. Everything about a handoff (the offer, the receive, what is learned from it, the
-load it counts, the local recompute that replaces a failed one) is the connector's
+request's decode step. Everything about a handoff (the offer, the receive, what is learned from it,
+the load it counts, the local recompute that replaces a failed one) is the connector's
 (`rekv_core.connector.DecodeConnector`). Thread-safe: the blocking methods run on worker threads.
 """
 

@@ -66,6 +66,8 @@ def test_demo_runs_both_services_and_stops_them(tmp_path):
         assert p["baseline_over_streamed"] == mine["baseline"]["ttft_ms"] / mine["streamed"][
             "ttft_ms"]
     assert "request=demo-0-streamed" in (tmp_path / "logs" / "decode.log").read_text()
+    # the services' default quality setting applied, and the demo says what it may change
+    assert all(r["quality"] == "gated" for r in rows) and "quality setting: gated." in result.stdout
 
 
 def test_serve_rejects_bad_settings_by_name():
