@@ -1,7 +1,9 @@
 """A router's view of rekv: call `Decode.Generate` and collect the stream.
 
 `generate(channel, request_id, prompt, max_new_tokens, ...)` returns a `Generation` with the new
-token ids, their text and the summary; gRPC errors propagate as `grpc.RpcError`.
+token ids, their text and the summary; gRPC errors propagate as `grpc.RpcError`. `quality`:
+"lossless" (greedy output equals the single-process reference's), "gated" (also the lossy actions
+the quality gate passed) or None (the deployment's default); the summary says which applied.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ class Generation:
 def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
                      forced_action: tuple | None = None,
                      sampling: dict | None = None, stop_at_eos: bool | None = None,
-                     forced_schedule: tuple | None = None):
+                     forced_schedule: tuple | None = None, quality: str | None = None):
     """`forced_action`: (codec, cut) or (codec, cut, boundary coding); `forced_schedule`:
     (streamed, boundary chunk tokens) or (streamed, boundary chunk tokens, pipelined)."""
     request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
+    if quality is not None:
+        request.quality = rekv_pb2.Quality.Value(f"QUALITY_{quality.upper()}")
     if isinstance(prompt, str):
         request.text = prompt
     else:
@@ -53,12 +57,12 @@ def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int]
              max_new_tokens: int, forced_action: tuple[str, int] | None = None,
              sampling: dict | None = None, stop_at_eos: bool | None = None,
              timeout: float | None = 300.0,
-             forced_schedule: tuple | None = None,
+             forced_schedule: tuple | None = None, quality: str | None = None,
              metadata: Sequence[tuple[str, str]] | None = None) -> Generation:
     """`metadata`: the call's gRPC metadata, e.g. a router's W3C `traceparent`."""
     stub = rekv_pb2_grpc.DecodeStub(channel)
     request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
-                               stop_at_eos, forced_schedule)
+                               stop_at_eos, forced_schedule, quality)
     tokens, pieces, summary, count = [], [], None, 0
     for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         count += 1

@@ -53,6 +53,11 @@ def add_demo_parser(sub) -> None:
     demo.add_argument("--dtype", default=None, help="auto, float32 or bfloat16 (env REKV_DTYPE)")
     demo.add_argument("--log-dir", default=None, help="where the services' logs go "
                       "(default: a new temporary directory)")
+    demo.add_argument("--quality", choices=("lossless", "gated"), default=None,
+                      help="the requests' quality setting (default: the services', gated): "
+                           "lossless answers equal the reference's token for token; gated ones "
+                           "may also take a lossy action the quality gate passed, whose greedy "
+                           "answer may leave the reference's late in a long answer")
     demo.add_argument("--json", metavar="FILE", help="also write every request's figures as JSON")
     demo.set_defaults(func=cmd_demo)
 
@@ -77,7 +82,8 @@ def code_paths(num_layers: int) -> list[dict]:
 
 
 def plan_requests(prompts: list[str], warm_prompts: list[str], num_layers: int,
-                  max_new_tokens: int) -> tuple[list[dict], list[dict]]:
+                  max_new_tokens: int, quality: str | None = None
+                  ) -> tuple[list[dict], list[dict]]:
     """(warm-ups, timed requests). Warm-ups, untimed, on prompts of the same lengths with another
     key: every code path (`code_paths`, the baseline's first) on the shortest, then both schedules
     (the seed's and the streamed way) on each length, which also lets the decode service measure
@@ -93,7 +99,7 @@ def plan_requests(prompts: list[str], warm_prompts: list[str], num_layers: int,
         order = WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)]
         timed += [{"id": f"demo-{i}-{way}", "prompt": text, "max_new_tokens": max_new_tokens,
                    "prompt_index": i, "way": way, "position": position + 1,
-                   **way_request(way, num_layers)}
+                   "quality": quality, **way_request(way, num_layers)}
                   for position, way in enumerate(order)]
     return warmups, timed
 
@@ -180,6 +186,12 @@ def print_table(console, rows: list[dict], prompts: list[dict], rate, kind: str)
             f"{p['baseline_over_streamed']:.2f}" for p in done) + "; seed / streamed: "
             + ", ".join(f"{p['seed_over_streamed']:.2f}" for p in done) + " (prompts of "
             + ", ".join(str(p["prompt_tokens"]) for p in done) + " tokens)")
+    settings = sorted({r["quality"] for r in rows if r.get("quality")})
+    console.print(f"quality setting: {', '.join(settings) or 'none answered'}. lossless: only "
+                  "actions that reproduce the reference's cache bit for bit, so the answer is "
+                  "the reference's token for token; gated (the default): also the lossy actions "
+                  "the quality gate passed, whose greedy answer may leave the reference's after "
+                  "its first 16 tokens (docs/design.md, The quality gate).")
     differ = [r["id"] for r in rows if r.get("lossless") and r.get("same_tokens") is False]
     if differ:
         console.print(f"[bold red]lossless requests whose tokens differ from the baseline's: "
@@ -214,7 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with console.status("measuring this machine's compute to choose the link rate"):
         rate = link_rate(settings, prompts, args.link_gbps, cores[1])
     console.print(f"link rate: {rate.describe()}")
-    warmups, timed = plan_requests(prompts, warm, L, args.max_new_tokens)
+    warmups, timed = plan_requests(prompts, warm, L, args.max_new_tokens, args.quality)
     with sigterm_as_interrupt():
         with console.status("starting the prefill and decode services"):
             services = DemoServices(service_args, args.log_dir, cores, rate.gbps, args.loopback)

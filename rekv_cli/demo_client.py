@@ -4,9 +4,10 @@
 
 Reads a JSON list of requests on stdin, each {"id", "prompt" (text), "max_new_tokens", "action":
 [codec, cut] or null (the planner's choice), "schedule": [streamed, boundary chunk tokens] or null
-(the services' default)}, sends them one at a time through `Decode.Generate`, and writes one JSON
-line per request on stdout as soon as it is answered: the summary's figures with the generated token
-ids and text, or {"id", "error"} when the call failed (the next request is still sent).
+(the services' default), optionally "quality": "lossless" or "gated"}, sends them one at a time
+through `Decode.Generate`, and writes one JSON line per request on stdout as soon as it is answered:
+the summary's figures with the generated token ids and text, or {"id", "error"} when the call failed
+(the next request is still sent).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import grpc
 
 from rekv_cli.client import Generation, generate
+from services.rpc import rekv_pb2
 
 
 def figures(g: Generation) -> dict:
@@ -35,6 +37,7 @@ def figures(g: Generation) -> dict:
             "prefill_ms": t.prefill_ms,
             "parts_ms": {"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms, "J": t.j_ms},
             "fallback": s.fallback, "fallback_reason": s.fallback_reason,
+            "quality": rekv_pb2.Quality.Name(s.quality).removeprefix("QUALITY_").lower(),
             "token_ids": list(g.token_ids), "text": g.text}
 
 
@@ -51,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 g = generate(channel, r["id"], r["prompt"], r["max_new_tokens"],
                              forced_action=action, forced_schedule=schedule,
-                             timeout=args.timeout)
+                             timeout=args.timeout, quality=r.get("quality"))
                 answer = {"id": r["id"], **figures(g)}
             except (grpc.RpcError, RuntimeError) as error:
                 details = error.details() if isinstance(error, grpc.RpcError) else str(error)

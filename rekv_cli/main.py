@@ -9,6 +9,7 @@
                   time every handoff action over the throttled in-process link
     rekv profile  measure per-layer costs on this machine (a profile file)
     rekv gate     evaluate actions against BF16 on a text corpus (a policy file)
+    rekv regate   judge a policy's lossy codecs again by greedy generation agreement
     rekv plan     the action the planner would choose for a prompt length and link rate
     rekv health   exit 0 if a running service's gRPC health check says SERVING
 

@@ -1,4 +1,5 @@
-"""`rekv profile`, `rekv gate` and `rekv plan`: measuring, gating and asking the planner."""
+"""`rekv profile`, `rekv gate`, `rekv regate` and `rekv plan`: measuring, gating (and judging a
+policy's generations again) and asking the planner."""
 
 from __future__ import annotations
 
@@ -30,6 +31,58 @@ def _load_model(args):
                                         torch_threads=args.threads)
     settings.apply_threads()
     return settings.load_model(), settings
+
+
+def _generation_flags(parser) -> None:
+    parser.add_argument("--generation-tokens", type=int, default=48,
+                        help="greedy tokens decoded per calibration prompt for the generation-"
+                             "agreement criterion (default 48; 0: skip it)")
+    parser.add_argument("--generation-prose", type=int, default=1,
+                        help="prose windows (1024 tokens or the prompt length) of the text in "
+                             "the generation set, beside its code, chat and passkey prompts")
+
+
+def _generation_set(args, tokenizer, text_ids, prompt_len: int):
+    from rekv_core.eval.generation_set import generation_prompts
+
+    if args.generation_tokens < 0:
+        raise ValueError(f"generation-tokens: must be >= 0, got {args.generation_tokens}")
+    if args.generation_tokens == 0:
+        return []
+    return generation_prompts(tokenizer, text_ids, args.generation_prose,
+                              min(1024, prompt_len), prompt_len)
+
+
+def _gate_tokenizer(args, model, settings):
+    from rekv_core.model.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer or settings.model)
+    if tokenizer is None:
+        raise ValueError("tokenizer: the gate needs one; pass --tokenizer FILE.gguf or "
+                         "--tokenizer embedded")
+    if tokenizer.vocab_size > model.shape.vocab_size:
+        raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens exceed the model's "
+                         f"vocabulary of {model.shape.vocab_size}")
+    return tokenizer
+
+
+def _add_regate_parser(sub) -> None:
+    regate = sub.add_parser("regate", help="judge a policy's eligible lossy codecs by greedy "
+                            "generation agreement, lowering max cuts that fail (bisection)")
+    _runtime_flags(regate)
+    regate.add_argument("--policy", required=True, help="the policy to judge (`rekv gate`)")
+    regate.add_argument("--text", required=True, help="plain-text corpus for the prose prompts")
+    regate.add_argument("--tokenizer", default=None, help="as for `rekv gate`")
+    regate.add_argument("--prompt-len", type=int, default=None,
+                        help="the passkey prompt's length (default: the policy's prompt length)")
+    regate.add_argument("--codecs", type=csv_of(str), default=None,
+                        help="judge only these codecs (default: every lossy eligible one)")
+    regate.add_argument("--combine", nargs="+", metavar="RUN", default=None,
+                        help="no model: combine runs of `rekv regate --codecs` on --policy, each "
+                             "on other codecs, into one policy")
+    regate.add_argument("--out", required=True, help="the policy file to write (JSON)")
+    _generation_flags(regate)
+    regate.set_defaults(func=cmd_regate)
 
 
 def add_plan_parsers(sub) -> None:
@@ -66,7 +119,10 @@ def add_plan_parsers(sub) -> None:
                       help="add these verdicts to an existing policy from the same model, text "
                            "and settings (codecs evaluated here replace its verdicts of them)")
     gate.add_argument("--json", metavar="FILE", help="also write the verdicts as JSON")
+    _generation_flags(gate)
     gate.set_defaults(func=cmd_gate)
+
+    _add_regate_parser(sub)
 
     plan = sub.add_parser("plan", help="the action the planner would choose, and why")
     plan.add_argument("--model", default=DEFAULT_MODEL, help="a preset name")
@@ -100,6 +156,10 @@ def add_plan_parsers(sub) -> None:
     plan.add_argument("--chunk-tokens", type=int, default=256,
                       help="the boundary's chunk size, a multiple of 256; 0: one message "
                            "(default 256)")
+    plan.add_argument("--quality", choices=("lossless", "gated"), default="gated",
+                      help="the request's quality setting: lossless keeps to actions that "
+                           "reproduce the reference bit for bit (default gated: also what the "
+                           "policy passed)")
     plan.add_argument("--json", action="store_true", help="print one JSON object instead")
     plan.set_defaults(func=cmd_plan)
 
@@ -120,7 +180,6 @@ def cmd_gate(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from rekv_core.codecs import get_codec
-    from rekv_core.model.tokenizer import load_tokenizer
     from rekv_core.plan.gate import GateConfig, calibrate_splitzip, probe_spectrum, run_gate
     from rekv_core.plan.policy import Policy, deployed_codec
     from rekv_core.plan.policy_meta import PolicyMeta
@@ -129,13 +188,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         get_codec(codec)
     text = Path(args.text).read_text(encoding="utf-8")
     model, settings = _load_model(args)
-    tokenizer = load_tokenizer(args.tokenizer or settings.model)
-    if tokenizer is None:
-        raise ValueError("tokenizer: the gate needs one; pass --tokenizer FILE.gguf or "
-                         "--tokenizer embedded")
-    if tokenizer.vocab_size > model.shape.vocab_size:
-        raise ValueError(f"tokenizer: {tokenizer.vocab_size} tokens exceed the model's "
-                         f"vocabulary of {model.shape.vocab_size}")
+    tokenizer = _gate_tokenizer(args, model, settings)
     L = model.shape.num_layers
     cuts = args.cuts or sorted({*range(3, L, 3), L})
     for cut in cuts:
@@ -143,7 +196,9 @@ def cmd_gate(args: argparse.Namespace) -> int:
             raise ValueError(f"cuts: each must lie in [1, {L}], got {cut}")
     console = Console(stderr=True)
     config = GateConfig(prompt_len=args.prompt_len, prompts=args.prompts,
-                        continuation=args.continuation, epsilon=args.epsilon)
+                        continuation=args.continuation, epsilon=args.epsilon,
+                        generation_tokens=args.generation_tokens)
+    generation = _generation_set(args, tokenizer, tokenizer.encode(text), args.prompt_len)
     probe = None
     if args.probe_context and any(get_codec(c).importance_window for c in args.codecs):
         probe = probe_spectrum(model, tokenizer, args.probe_context, progress=console.log)
@@ -158,7 +213,8 @@ def cmd_gate(args: argparse.Namespace) -> int:
     policy = run_gate(model, tokenizer, tokenizer.encode(text),
                       [(codec, cut) for codec in args.codecs if codec not in ruled_out
                        for cut in cuts], config,
-                      progress=console.log, codec_for=lambda name: deployed_codec(name, deployed))
+                      progress=console.log, codec_for=lambda name: deployed_codec(name, deployed),
+                      generation=generation)
     policy.max_cut.update({codec: 0 for codec in ruled_out})
     found = {"text": Path(args.text).name, "command": "rekv " + " ".join(sys.argv[1:]),
              **started}
@@ -193,6 +249,46 @@ def cmd_gate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_regate(args: argparse.Namespace) -> int:
+    import time
+
+    started = provenance()
+    from rich.console import Console
+
+    from rekv_core.plan.gate import GateConfig, regate_generations
+    from rekv_core.plan.policy import Policy, deployed_codec
+
+    if args.generation_tokens < 1:
+        raise ValueError(f"generation-tokens: must be >= 1, got {args.generation_tokens}")
+    policy = Policy.load(args.policy)
+    if args.combine:
+        from rekv_core.plan.gate import combine_regates
+
+        combined = combine_regates(policy, [Policy.load(run) for run in args.combine])
+        combined.save(args.out)
+        print(json.dumps({"max_cut_before": policy.max_cut, "max_cut": combined.max_cut}))
+        return 0
+    text = Path(args.text).read_text(encoding="utf-8")
+    model, settings = _load_model(args)
+    if policy.model != model.shape.name:
+        raise ValueError(f"policy: written for {policy.model}, the model is {model.shape.name}")
+    tokenizer = _gate_tokenizer(args, model, settings)
+    prompt_len = args.prompt_len or policy.prompt_len_range[1]
+    prompts = _generation_set(args, tokenizer, tokenizer.encode(text), prompt_len)
+    began = time.perf_counter()
+    regated = regate_generations(
+        model, policy, prompts, GateConfig(generation_tokens=args.generation_tokens),
+        lambda name: deployed_codec(name, policy.meta), progress=Console(stderr=True).log,
+        codecs=args.codecs)
+    regated.meta.generation.update({"command": "rekv " + " ".join(sys.argv[1:]),
+                                    "text": Path(args.text).name, **started,
+                                    "seconds": round(time.perf_counter() - began, 1)})
+    regated.save(args.out)
+    print(json.dumps({"max_cut_before": policy.max_cut, "max_cut": regated.max_cut,
+                      "generation": regated.meta.generation}, indent=1))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -202,6 +298,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
     from rekv_core.plan.planner import Planner
     from rekv_core.plan.policy import Policy, shipped_policy
+    from rekv_core.plan.quality import Quality
 
     shape = get_preset(args.model)
     profile, source = _plan_profile(args)
@@ -220,7 +317,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 profile.layer_cost).cost_inputs(
         shape, args.prompt_len, costs, streamed=args.schedule != "seed",
         chunk_tokens=Delivery(chunk_tokens=args.chunk_tokens).chunk_tokens, orders=orders)
-    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs)
+    decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
+                                                       quality=Quality(args.quality))
     if args.json:
         print(json.dumps(decision.as_dict()))
         return 0

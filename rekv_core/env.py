@@ -4,7 +4,8 @@ What each variable sets:
 - `REKV_MODEL`, `REKV_DEVICE`, `REKV_DTYPE`, `REKV_TORCH_THREADS`: the runtime settings
   (`rekv_core.settings.RuntimeSettings.from_env`), also of the services;
 - `REKV_<FIELD>` for every other field of the services' settings (`services.settings`), e.g.
-  `REKV_MAX_PROMPT_TOKENS`; a command-line flag wins over it;
+  `REKV_MAX_PROMPT_TOKENS`, or `REKV_QUALITY` (a request's quality setting where it sets none:
+  lossless or gated); a command-line flag wins over it;
 - `REKV_MODEL_CACHE`: where converted weights are kept (`model.conversion_cache`);
 - `REKV_PROFILE_CACHE`: where machine profiles are kept (`plan.profile_cache`);
 - `REKV_COMMIT`: the commit a benchmark records where the tree is not a git checkout.

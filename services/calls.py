@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from rekv_core.handoff import Action, Delivery, WireBytes
 from rekv_core.model.sampling import SamplingParams
+from rekv_core.connector import DEFAULT_QUALITY, Quality
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class GenerateCall:
     forced_action: Action | None  # None: the planner chooses
     stop_at_eos: bool = True
     forced_delivery: Delivery | None = None  # None: the workers' default
+    quality: Quality | None = None  # None: the deployment's default (`settings.quality`)
 
 
 @dataclass(frozen=True)
@@ -81,3 +83,4 @@ class Completion:
     ttft_ms: float
     request_ms: float
     handoff: HandoffReport
+    quality: Quality = DEFAULT_QUALITY  # the setting the handoff was planned under

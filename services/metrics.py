@@ -64,6 +64,8 @@ class ServiceMetrics:
                                 ["action", "codec", "cut"], registry=r)
         self.failures = Counter("rekv_failures", "Failed requests by reason", ["reason"],
                                 registry=r)
+        self.quality = Counter("rekv_quality_requests", "Completed requests by the quality setting "
+                               "that applied (decode)", ["quality"], registry=r)
         self.fallbacks = Counter("rekv_fallbacks", "Handoffs that fell back to recomputing the "
                                  "prompt from its token ids", ["reason"], registry=r)
         self.fallback_recompute = Histogram(

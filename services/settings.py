@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from rekv_core import env
 from rekv_core.codecs import codec_names
 from rekv_core.model.blocks import chunk_bounds
+from rekv_core.connector import DEFAULT_QUALITY, QUALITIES
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
 
@@ -105,6 +106,10 @@ class ServiceSettings(RuntimeSettings):
     # decode: when a handoff fails, recompute the prompt here ("recompute": the request still
     # completes) or end the call with UNAVAILABLE ("fail")
     on_handoff_failure: str = "recompute"
+    # decode: the quality setting of a request that sets none: lossless (only actions that
+    # reproduce the reference's cache bit for bit) or gated (also the lossy actions the policy
+    # passed); see `rekv_core.plan.quality`
+    quality: str = DEFAULT_QUALITY.value
     # prefill, for the reliability tests only (logged at start): inject this fault into every
     # handoff, or with by_request the one its request id names (services/prefill/faults.py);
     # hold_* points hold it for fault_hold_s
@@ -171,6 +176,8 @@ class ServiceSettings(RuntimeSettings):
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:
             raise ValueError(f"on_handoff_failure: must be one of {HANDOFF_FAILURE_POLICIES}, "
                              f"got {self.on_handoff_failure!r}")
+        if self.quality not in QUALITIES:
+            raise ValueError(f"quality: must be one of {QUALITIES}, got {self.quality!r}")
         if self.fault_inject not in ("", BY_REQUEST, *FAULTS):
             raise ValueError(f"fault_inject: must be one of {(BY_REQUEST, *FAULTS)} (or "
                              f"empty), got {self.fault_inject!r}")

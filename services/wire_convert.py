@@ -12,7 +12,7 @@ import logging
 import math
 
 from rekv_core.codecs import codec_names
-from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
+from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply, Quality
 from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
 from rekv_core.handoff.fingerprint import is_fingerprint
 from rekv_core.handoff.seal import KEY_BYTES
@@ -67,6 +67,32 @@ def _wire_bytes_from_proto(message) -> WireBytes:
                      message.head)
 
 
+_QUALITY = {rekv_pb2.QUALITY_LOSSLESS: Quality.LOSSLESS, rekv_pb2.QUALITY_GATED: Quality.GATED}
+
+
+def quality_from_proto(value: int, unspecified: bool = False) -> Quality | None:
+    """A `Quality` enum value; UNSPECIFIED gives None where `unspecified` allows it (the
+    deployment's default applies), else `InvalidArgument`, as does a value the enum lacks."""
+    if value == rekv_pb2.QUALITY_UNSPECIFIED and unspecified:
+        return None
+    if value not in _QUALITY:
+        known = ", ".join(rekv_pb2.Quality.Name(q) for q in _QUALITY)
+        raise InvalidArgument(f"quality: must be one of {known}"
+                              f"{' (or unset)' if unspecified else ''}, got {value}")
+    return _QUALITY[value]
+
+
+def quality_to_proto(quality: Quality) -> int:
+    return next(value for value, q in _QUALITY.items() if q is quality)
+
+
+def check_forced_quality(forced: Action | None, quality: Quality | None) -> None:
+    """A forced lossy action under `lossless` asks for two things that cannot both hold."""
+    if forced is not None and quality is not None and not quality.allows(forced):
+        raise InvalidArgument(f"forced_action: {forced} is lossy, and quality is "
+                              f"{quality.value}; force a lossless action or set quality gated")
+
+
 # ------------------------------------------------------------------ router -> decode worker
 
 
@@ -87,6 +113,8 @@ def generate_call(request, num_layers: int) -> GenerateCall:
                                       top_k=s.top_k, seed=s.seed)
         except ValueError as exc:
             raise InvalidArgument(str(exc)) from None
+    quality = quality_from_proto(request.quality, unspecified=True)
+    check_forced_quality(forced, quality)
     return GenerateCall(
         request_id=request.request_id,
         text=request.text if which == "text" else None,
@@ -94,7 +122,8 @@ def generate_call(request, num_layers: int) -> GenerateCall:
         max_new_tokens=request.max_new_tokens, sampling=sampling, forced_action=forced,
         stop_at_eos=request.stop_at_eos if request.HasField("stop_at_eos") else True,
         forced_delivery=(delivery_from_proto(request.forced_schedule)
-                         if request.HasField("forced_schedule") else None))
+                         if request.HasField("forced_schedule") else None),
+        quality=quality)
 
 
 def token_response(token: int, text: str):
@@ -111,6 +140,7 @@ def summary_response(done: Completion):
         bytes=wire_bytes_to_proto(h.bytes), predicted_handoff_ms=h.predicted_ms,
         measured_handoff_ms=h.measured_ms, fallback=h.fallback, fallback_reason=h.fallback_reason,
         fallback_scope=h.fallback_scope, recomputed_layers=h.recomputed_layers,
+        quality=quality_to_proto(done.quality),
         timings=rekv_pb2.HandoffTimings(prefill_ms=h.prefill_ms, q_ms=h.q_ms, h_ms=h.h_ms,
                                         x_ms=h.x_ms, r_ms=h.r_ms, j_ms=h.j_ms))
     if h.delivery is not None:
@@ -152,6 +182,7 @@ def handoff_request(call: HandoffCall):
         request.forced_schedule.CopyFrom(delivery_to_proto(call.forced_delivery))
     request.handoff_key = call.sealing.key or b""
     request.encrypt_data_plane = call.sealing.encrypted
+    request.quality = quality_to_proto(call.quality)
     return request
 
 
@@ -187,6 +218,8 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
         suffix_scale=_scale(offer.suffix_scale) if offer.HasField("suffix_scale") else None)
     forced = (action_from_proto(request.forced_action, num_layers)
               if request.HasField("forced_action") else None)
+    quality = quality_from_proto(request.quality)  # the decode worker resolved its default
+    check_forced_quality(forced, quality)
     chunk = delivery_from_proto(rekv_pb2.Schedule(
         boundary_chunk_tokens=offer.boundary_chunk_tokens), "offer").chunk_tokens
     return HandoffCall(
@@ -196,6 +229,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                         bytes.fromhex(offer.model_fingerprint)),
         forced_delivery=(delivery_from_proto(request.forced_schedule)
                          if request.HasField("forced_schedule") else None),
+        quality=quality,
         offer=DecodeOffer(model=offer.model, num_layers=offer.num_layers,
                           address=offer.ucx_address, codecs=tuple(offer.codecs),
                           queue_depth=offer.queue_depth,

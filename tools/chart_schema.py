@@ -77,6 +77,7 @@ OVERRIDES: dict[str, dict] = {
     "config.maxQueue": {"minimum": 0},
     "config.maxInflightBytes": {"minimum": 1},
     "config.onHandoffFailure": {"enum": ["recompute", "fail"]},
+    "config.quality": {"enum": ["lossless", "gated"]},
     "config.linkGbps": {"exclusiveMinimum": 0},
     "config.paceGbps": {"minimum": 0},
     "config.ucxLoopNice": {"minimum": -1, "maximum": 19},

@@ -3,7 +3,7 @@
 Contract (who calls what, in which order; every method is thread-safe unless it says otherwise):
 
 Decode side, `DecodeConnector` (offers, receives, learns), per request:
-    offer(prompt_len, in_flight, queue)        -> DecodeOffer, sent to the prefill side
+    offer(prompt_len, in_flight, queue, quality) -> DecodeOffer, sent to the prefill side
     begin(request_id, prompt_len, max_new_tokens, time_remaining, transfer_id) -> PendingHandoff
                                                   (event loop; opens the receive: call before
                                                   the prefill side may send)
@@ -24,7 +24,8 @@ Prefill side, `PrefillConnector` (decides, sends), per call:
   and at any time: probe(sender, probe_id, key, timeout_s) (Busy while another runs),
   memory(prompt_len).
 
-What crosses between the two (`calls`): `HandoffCall` with its `DecodeOffer` one way, the in-band
+What crosses between the two (`calls`): `HandoffCall` with its `DecodeOffer` and its `Quality`
+(the request's quality setting, `rekv_core.plan.quality`, re-exported here) one way, the in-band
 `HandoffPlan` on the data plane, `HandoffReply` back. The connectors own the calibration, the load
 bookkeeping (`rekv_core.plan.decode_load`, `prefill_load`, `sharing`), the planner and the plan; a
 service around them parses, calls its connector and replies, and never does load or calibration
@@ -39,8 +40,9 @@ from rekv_core.connector.prefill import PrefillConnector, PrefillOptions, SentHa
 from rekv_core.plan.canary import (CanaryJudge, CanaryResult,  # the decode side's quality canary
                                    canary_steps)
 from rekv_core.plan.planner import Decision  # what `PrefillConnector.decide` returns
+from rekv_core.plan.quality import DEFAULT_QUALITY, QUALITIES, Quality
 
-__all__ = ["BadRequest", "Busy", "CanaryJudge", "CanaryResult", "Decision", "DecodeConnector",
-           "DecodeOffer", "DecodeOptions", "HandoffCall", "HandoffReply", "Learned",
-           "ModelMismatch", "PendingHandoff", "PrefillConnector", "PrefillOptions", "SentHandoff",
-           "canary_steps"]
+__all__ = ["BadRequest", "Busy", "CanaryJudge", "CanaryResult", "DEFAULT_QUALITY", "Decision",
+           "DecodeConnector", "DecodeOffer", "DecodeOptions", "HandoffCall", "HandoffReply",
+           "Learned", "ModelMismatch", "PendingHandoff", "PrefillConnector", "PrefillOptions",
+           "QUALITIES", "Quality", "SentHandoff", "canary_steps"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from rekv_core.handoff import Action, Delivery, Sealing, WireBytes
 from rekv_core.plan.evidence import DecodeCosts
+from rekv_core.plan.quality import DEFAULT_QUALITY, Quality
 
 
 class BadRequest(ValueError):
@@ -63,6 +64,7 @@ class HandoffCall:
     forced_action: Action | None = None  # None: the planner chooses
     sealing: Sealing = Sealing()  # the key the decode worker drew for this handoff
     forced_delivery: Delivery | None = None  # None: the prefill side decides from the offer
+    quality: Quality = DEFAULT_QUALITY  # the actions the planner may choose (resolved, never unset)
 
 
 @dataclass(frozen=True)

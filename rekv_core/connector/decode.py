@@ -5,7 +5,8 @@ measures or loads this machine's profile) holds what the decode side learns abou
 the link (`DecodeCalibration`: the link estimate's one writer, handoffs and probes alike), and its
 load (`DecodeLoad`, `SharingMeter`, `ReceiveOverlaps`). A request's handoff uses, in order:
 
-1. `offer(prompt_len, in_flight, queue)`: the `DecodeOffer` for the prefill side: this worker's
+1. `offer(prompt_len, in_flight, queue, quality)`: the `DecodeOffer` for the prefill side: the
+   codecs it takes (under the `lossless` quality setting only lossless ones), this worker's
    costs (γ for the requests generating here plus one), its evidence, its link estimate (None
    until measured), and its load (the compute committed here by planned handoffs);
 2. `begin(request_id, prompt_len, max_new_tokens, time_remaining)`: a `PendingHandoff` handoff: its
@@ -49,6 +50,7 @@ from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.plan.decode_load import DecodeLoad, DecodeWork, Receive, ReceiveOverlaps
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 from rekv_core.plan.evidence import HandoffObservation
+from rekv_core.plan.quality import DEFAULT_QUALITY, Quality, offered_codecs
 from rekv_core.plan.sharing import SharingMeter
 from rekv_core.transport import TransportReceiver
 from rekv_core.transport.base import PREFETCH
@@ -120,11 +122,13 @@ class DecodeConnector:
         """The link estimate, or the prior before any sample."""
         return self.calibration.link_gbps
 
-    def offer(self, prompt_len: int, in_flight: int, queue: int) -> DecodeOffer:
+    def offer(self, prompt_len: int, in_flight: int, queue: int,
+              quality: Quality = DEFAULT_QUALITY) -> DecodeOffer:
         backlog = self.load.backlog(self.calibration.suffix_ms_per_layer,
                                     self.shape.num_layers)
         return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
-                           address=self.receiver.address, codecs=tuple(self.options.codecs),
+                           address=self.receiver.address,
+                           codecs=offered_codecs(quality, self.options.codecs),
                            queue_depth=queue, handoffs_in_flight=in_flight,
                            costs=self.calibration.offer(prompt_len, self.load.sharers()),
                            accepts_streamed=True, accepts_pipelined=True,

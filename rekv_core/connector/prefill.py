@@ -8,8 +8,10 @@ the order a `Prefill.Handoff` call uses them:
 
 - `check(call)`: an offer from a worker of another model (`ModelMismatch`: its fingerprint is not
   `options.fingerprint`), a forced action or delivery this worker cannot serve (`BadRequest`
-  naming `forced_action.codec` or `forced_schedule.*`);
-- `decide(call, queue)`: the `Decision`, whose `plan` (`HandoffPlan`) says what to send and how:
+  naming `forced_action.codec` or `forced_schedule.*`), or a forced lossy action under the
+  `lossless` quality setting (naming `forced_action` and `quality`);
+- `decide(call, queue)`: the `Decision` among the actions the call's quality setting allows
+  (`plan.quality`), whose `plan` (`HandoffPlan`) says what to send and how:
   the delivery is the forced one or this worker's default (streamed where the decode worker takes
   it and `stream_handoff` is set, in the decode worker's chunk size), and the order is the
   planner's where it may pick one (`pipeline_prefill`, the decode worker takes token order, and
@@ -92,6 +94,9 @@ class PrefillConnector:
         if call.offer.fingerprint != self.options.fingerprint:
             raise ModelMismatch(call.offer.fingerprint, self.options.fingerprint)
         forced = call.forced_action
+        if forced is not None and not call.quality.allows(forced):
+            raise BadRequest(f"forced_action: {forced} is lossy, and quality is "
+                             f"{call.quality.value}")
         if forced is not None and forced.cut:
             try:
                 self.planner.deployed(forced.codec)
@@ -108,7 +113,7 @@ class PrefillConnector:
             self._orders(call, delivery, queue),
             Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen))
         decision = self.planner.decide(inputs, common_codecs(self.options.codecs, offer.codecs),
-                                       costs.evidence, call.forced_action)
+                                       costs.evidence, call.forced_action, call.quality)
         self.assigned.add(offer.address, call.transfer_id,
                           (self.shape.num_layers - decision.action.cut)
                           * costs.suffix_ms_per_layer)

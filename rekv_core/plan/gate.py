@@ -15,16 +15,27 @@ Per action, over all prompts:
 - top-1 agreement and mean KL over the whole continuation (reported);
 - continuation perplexity, and its rise relative to BF16's;
 - passkey retrieval: prompts of about S tokens with the key at several depths, greedy answers from
-  both caches; the action passes where BF16 passes.
+  both caches; the action passes where BF16 passes;
+- generation agreement (`plan.generations`, given a calibration set): greedy continuations of
+  code, chat-style and prose prompts from both caches, scored by the first divergence and the
+  share of continuations that match exactly, against `GenerationFloor` (no divergence before
+  token 16, at least 3/4 matching over 48 tokens; that module says why).
 An action is eligible when every first-position top-1 equals BF16's, the perplexity rises by at
-most `epsilon` (relative), and every passkey BF16 finds, it finds. Anything else is a failure,
-whatever the action's speed, and the verdict says which criterion failed.
+most `epsilon` (relative), every passkey BF16 finds, it finds, and its generations meet the floor.
+Anything else is a failure, whatever the action's speed, and the verdict says which criterion
+failed.
+
+`regate_generations(model, policy, prompts, config)` judges an existing policy's eligible lossy
+codecs by generation agreement alone: per codec, the largest passing cut up to its max cut by
+bisection (`generations.largest_passing_cut`), which lowers the policy's max cut where generations
+fail; its teacher-forced verdicts stand (a smaller cut quantizes fewer layers), those above the
+new max cut are marked ineligible, and the policy's meta records the run (`generation`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +47,9 @@ from rekv_core.eval.needle import answer_found, passkey_prompt
 from rekv_core.eval.spectrum_probe import PROBE_CONTEXT, NeedleTrial, probe_int4_tolerance
 from rekv_core.kernels import ExponentHistogram
 from rekv_core.model import KVCache, Model, decode_greedy, extend, prefill
+from rekv_core.eval.generation_set import GenerationPrompt
+from rekv_core.plan import generations
+from rekv_core.plan.generations import GENERATION_TOKENS, GenerationFloor, GenerationScore
 from rekv_core.plan.policy import Policy
 from rekv_core.plan.policy_meta import PolicyMeta
 
@@ -51,6 +65,8 @@ class GateConfig:
     epsilon: float = 0.01
     needle_depths: Sequence[float] = (0.1, 0.5, 0.9)
     needle_tokens: int = 10
+    generation_tokens: int = GENERATION_TOKENS
+    floor: GenerationFloor = GenerationFloor()
 
 
 @dataclass
@@ -66,6 +82,7 @@ class _Tally:
     needles: list = field(default_factory=list)
     payload_bytes: int = 0  # of the encoded prefix layers, for bytes per layer
     layers: int = 0
+    generation: GenerationScore | None = None
 
 
 def text_windows(ids: Sequence[int], length: int, count: int) -> list[list[int]]:
@@ -139,9 +156,11 @@ def _score(logits: torch.Tensor, reference: torch.Tensor, targets: torch.Tensor,
 def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
              actions: Sequence[tuple[str, int]], config: GateConfig,
              progress: Callable[[str], None] = lambda _: None,
-             codec_for: Callable[[str], Codec] = get_codec) -> Policy:
+             codec_for: Callable[[str], Codec] = get_codec,
+             generation: Sequence[GenerationPrompt] = ()) -> Policy:
     """The verdict on every (codec, cut) of `actions`, each codec built by `codec_for` (the
-    registry's, or as the model deploys it: `policy.deployed_codec`)."""
+    registry's, or as the model deploys it: `policy.deployed_codec`); with `generation` prompts,
+    their greedy continuations too."""
     S, T = config.prompt_len, config.continuation
     windows = text_windows(text_ids, S + 1 + T, config.prompts)
     reference = _Tally()
@@ -161,7 +180,69 @@ def run_gate(model: Model, tokenizer, text_ids: Sequence[int],
                    dtype=model.dtype)
         progress(f"prompt {number}/{len(windows)} scored")
     _needles(model, tokenizer, actions, config, reference, tallies, progress, codec_for)
+    if generation:
+        refs = generations.references(model, generation, config.generation_tokens, scored_by)
+        for codec, cut in actions:
+            tallies[codec, cut].generation = generations.score(
+                model, refs, codec_for(codec), cut, reconstructed_cache)
+            progress(f"{codec} at cut {cut}: generations diverge first at token "
+                     f"{tallies[codec, cut].generation.earliest}")
     return _verdicts(model, actions, config, reference, tallies)
+
+
+def regate_generations(model: Model, policy: Policy, prompts: Sequence[GenerationPrompt],
+                       config: GateConfig, codec_for: Callable[[str], Codec],
+                       progress: Callable[[str], None] = lambda _: None,
+                       codecs: Collection[str] | None = None, verify: int = 1) -> Policy:
+    """`policy` with each lossy codec's max cut (of `codecs`; None: all) lowered to the largest
+    that meets the generation floor (module doc); `codec_for`: the codecs as the policy deploys
+    them; `verify`: cuts checked below the one bisection finds."""
+    codecs = set(policy.max_cut if codecs is None else codecs)
+    window = importance_window([(c, m) for c, m in policy.max_cut.items() if m and c in codecs],
+                               codec_for)
+    refs = generations.references(model, prompts, config.generation_tokens, window)
+    scores: dict[tuple[str, int], GenerationScore] = {}
+    searches = {}
+    for codec, high in policy.max_cut.items():
+        built = codec_for(codec) if codec in codecs else None
+        if high == 0 or built is None or built.lossless:
+            continue
+
+        def passes(cut: int, codec=codec, built=built) -> bool:
+            scores[codec, cut] = generations.score(model, refs, built, cut, reconstructed_cache,
+                                                   config.floor)
+            verdict = config.floor.reasons(scores[codec, cut])
+            progress(f"{codec} at cut {cut}: " + ("; ".join(verdict) or "passes"))
+            return not verdict
+
+        searches[codec] = generations.largest_passing_cut(passes, high, verify)
+    verdicts = []
+    for verdict in policy.verdicts:
+        codec, cut = verdict["codec"], verdict["cut"]
+        verdict = dict(verdict)
+        if (codec, cut) in scores:
+            verdict.update(scores[codec, cut].to_json())
+        if codec in searches and cut > searches[codec].max_cut and verdict["eligible"]:
+            verdict["eligible"] = False
+            verdict["reasons"] = [*verdict["reasons"], *(
+                config.floor.reasons(scores[codec, cut]) if (codec, cut) in scores else
+                [f"above cut {searches[codec].max_cut}, the largest whose generations meet "
+                 f"the floor"])]
+        verdicts.append(verdict)
+    record = {"tokens": config.generation_tokens, "floor": config.floor.to_json(),
+              "prompts": [{"kind": r.prompt.kind, "tokens": len(r.prompt.ids)} for r in refs],
+              "search": f"bisection on the cut up to the earlier max cut, then {verify} "
+                        f"check(s) below; an action's decoding stops once it fails the floor",
+              "codecs": {codec: {"max_cut_before": policy.max_cut[codec],
+                                 "max_cut": search.max_cut, "monotone": search.monotone,
+                                 "evaluated": [{"cut": cut, "passed": ok,
+                                                **scores[codec, cut].to_json()}
+                                               for cut, ok in sorted(search.evaluated.items())]}
+                         for codec, search in searches.items()}}
+    return Policy(policy.model, policy.prompt_len_range,
+                  {**policy.max_cut, **{c: s.max_cut for c, s in searches.items()}},
+                  policy.epsilon, verdicts,
+                  policy.meta.merged(PolicyMeta(generation=record)))
 
 
 def _needles(model, tokenizer, actions, config, reference, tallies, progress, codec_for
@@ -209,6 +290,8 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
             reasons.append(f"perplexity rises {rise:.3%} > {config.epsilon:.0%}")
         if not needles_ok:
             reasons.append("misses a passkey BF16 finds")
+        if t.generation is not None:
+            reasons += config.floor.reasons(t.generation)
         verdicts.append({
             "codec": codec, "cut": cut, "eligible": not reasons, "reasons": reasons,
             "next_token_top1_agreement": t.first_agree / t.prompts,
@@ -218,7 +301,8 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
             "perplexity": ppl, "bf16_perplexity": ref_ppl, "perplexity_rise": rise,
             "needles": t.needles,
             "bytes_per_layer": t.payload_bytes / t.layers if t.layers else 0.0,
-            "bf16_bytes_per_layer": model.shape.kv_layer_bytes(config.prompt_len)})
+            "bf16_bytes_per_layer": model.shape.kv_layer_bytes(config.prompt_len),
+            **(t.generation.to_json() if t.generation is not None else {})})
         if codec not in max_cut:
             max_cut[codec] = 0
     for codec in max_cut:
@@ -236,7 +320,37 @@ def _verdicts(model, actions, config, reference, tallies) -> Policy:
                                   continuation=config.continuation,
                                   needle_depths=tuple(config.needle_depths),
                                   bf16_needles=tuple(reference.needles),
-                                  dtype=str(model.dtype)))
+                                  dtype=str(model.dtype),
+                                  generation=_generation_record(config, tallies)))
+
+
+def combine_regates(base: Policy, runs: Sequence[Policy]) -> Policy:
+    """`base` with each codec that one of `runs` (`regate_generations` of `base`, each judging
+    other codecs) judged taken from that run: its max cut, its verdicts and its record."""
+    policy = Policy(base.model, base.prompt_len_range, dict(base.max_cut), base.epsilon,
+                    list(base.verdicts), base.meta)
+    record = None
+    for run in runs:
+        judged = set(run.meta.generation["codecs"]) if run.meta.generation else set()
+        if judged & set(record["codecs"] if record else ()):
+            raise ValueError(f"runs: more than one judged {sorted(judged & set(record['codecs']))}")
+        policy.max_cut.update({c: run.max_cut[c] for c in judged})
+        policy.verdicts = [run_v if v["codec"] in judged else v
+                           for v, run_v in zip(policy.verdicts, run.verdicts)]
+        if record is None:
+            record = {**run.meta.generation, "codecs": {}, "runs": []}
+        record["codecs"].update(run.meta.generation["codecs"])
+        record["runs"].append({k: v for k, v in run.meta.generation.items() if k != "codecs"})
+    policy.meta = base.meta.merged(PolicyMeta(generation=record))
+    return policy
+
+
+def _generation_record(config: GateConfig, tallies: dict) -> dict | None:
+    scored = [t.generation for t in tallies.values() if t.generation is not None]
+    if not scored:
+        return None
+    return {"tokens": config.generation_tokens, "floor": config.floor.to_json(),
+            "prompts": [{"kind": kind} for kind in scored[0].kinds]}
 
 
 def probe_spectrum(model: Model, tokenizer, context_len: int = PROBE_CONTEXT,

@@ -1,8 +1,10 @@
 """The per-request policy: the eligible action with the lowest expected handoff time.
 
-`Planner(policy).decide(inputs, codecs, evidence)` ranks every (b, c) the cost model predicts
-(`cost.choose`) and keeps only those the quality gate's policy allows for this prompt length
-(outside the policy's range, only lossless actions: BF16 and token-only). It returns a `Decision`
+`Planner(policy).decide(inputs, codecs, evidence, quality=...)` ranks every (b, c) the cost model
+predicts (`cost.choose`) and keeps only those the request's quality setting allows (`Quality`:
+under `lossless`, only actions that reproduce the reference bit for bit, whatever the link) and
+the quality gate's policy allows for this prompt length (outside the policy's range, only lossless
+actions: BF16, SplitZip and token-only). It returns a `Decision`
 whose `plan` is the `HandoffPlan` the sender executes: the action, its codec as the model deploys
 it (the policy's), the delivery in the order the prediction took, the boundary's codebook and the
 expected time. Following the seed, the
@@ -48,6 +50,7 @@ from rekv_core.model.blocks import chunk_bounds
 from rekv_core.plan.cost import CostInputs, Prediction, choose, predict
 from rekv_core.plan.evidence import Evidence, Measured
 from rekv_core.plan.policy import Policy
+from rekv_core.plan.quality import DEFAULT_QUALITY, Quality
 from rekv_core.plan.recent import length_bucket
 from rekv_core.units import BF16_BYTES
 
@@ -146,9 +149,12 @@ class Planner:
         self._decisions: dict[int, int] = {}  # by length bucket, on a measured link
         self._lock = threading.Lock()
 
-    def allowed(self, action: Action, prompt_len: int) -> bool:
+    def allowed(self, action: Action, prompt_len: int, quality: Quality = DEFAULT_QUALITY
+                ) -> bool:
         if action.lossless:
             return True
+        if not quality.allows(action):
+            return False
         if self.policy is None or not self.policy.covers(prompt_len):
             return False
         return self.policy.eligible(action)
@@ -159,11 +165,12 @@ class Planner:
         return self.policy.codec(codec) if self.policy is not None else get_codec(codec)
 
     def decide(self, inputs: CostInputs, codecs: Iterable[str], evidence: Evidence = Evidence(),
-               forced: Action | None = None) -> Decision:
-        """The plan for this request: `forced`'s, evaluated as any other, else the choice."""
+               forced: Action | None = None, quality: Quality = DEFAULT_QUALITY) -> Decision:
+        """The plan for this request: `forced`'s, evaluated as any other, else the choice among
+        the actions `quality` allows (a forced action is checked against it by the caller)."""
         codecs = list(codecs)
         ranked = [Ranked(p, expected_ms(p, inputs, evidence)) for p in choose(inputs, codecs)
-                  if self.allowed(p.action, inputs.prompt_len)]
+                  if self.allowed(p.action, inputs.prompt_len, quality)]
         ranked.sort(key=lambda r: (_cost(r), r.prediction.bytes))
         if forced is not None:
             prediction = predict(forced, inputs)

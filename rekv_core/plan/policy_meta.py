@@ -5,9 +5,9 @@
 and for boundary states, `gate.calibrate_splitzip`) and `spectrum_probe` (`SpectrumProbe`: whether
 the model tolerates SpectrumKV's INT4 tier, and so how many tiers it runs). The rest records the
 gate's run (prompt length, prompts, continuation, passkey depths, what BF16 found, dtype, text,
-command, and the commit it ran from), which `Policy.merged` compares in part. `from_json` reads the
-file's object (keys it does not know are kept in `extra` and written back); `to_json` writes it,
-leaving out what is unset.
+command, the commit it ran from, and the generation-agreement run, `generation`), which
+`Policy.merged` compares in part. `from_json` reads the file's object (keys it does not know are
+kept in `extra` and written back); `to_json` writes it, leaving out what is unset.
 """
 
 from __future__ import annotations
@@ -70,6 +70,9 @@ class PolicyMeta:
     started: str | None = None
     splitzip: SplitZipCalibration | None = None
     spectrum_probe: SpectrumProbe | None = None
+    # the generation-agreement gate's run: its floor, prompts, and per codec the cuts it evaluated
+    # (`gate.regate_generations`, `generations.GenerationFloor`)
+    generation: dict | None = None
     extra: dict = field(default_factory=dict, compare=False)  # keys of newer or older writers
 
     @classmethod

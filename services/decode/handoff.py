@@ -17,17 +17,17 @@ A replica that refuses the offer with FAILED_PRECONDITION serves another model (
 not this worker's): the pool leaves it out for a while (`PrefillPool.mark_incompatible`) and the
 request recomputes (reason `model_mismatch`, also when no compatible replica is left).
 Whenever the handoff fails (no replica, the call refused or broken, a message late, lost, corrupt
-or unauthenticated, a reply that disagrees with the plan, a deadline passed) the receive is
-aborted, which drains whatever the prefill side still sends, and the prompt is recovered here
-from its token ids, counted in `rekv_fallbacks_total` by reason: where the receive lost only
-prefix layers (its `Salvage`, `_salvage_of`), layers 0..m alone are recomputed and the verified
-ones kept (`partial`), else the whole prompt (`full`; `rekv_core.handoff.recovery`), counted in
-`rekv_fallback_recompute_seconds` and `rekv_fallback_recomputed_layers_total` by scope; or, with
-`on_handoff_failure = fail`, the call ends with UNAVAILABLE. Only the caller's own bad input
-(INVALID_ARGUMENT from the prefill side) and the caller's cancel or deadline end the call
-instead. Where tracing is on, the handoff is a span of the request's trace
-(`services.request_spans`), and the `Handoff` call carries its `negotiation` span's context to the
-prefill worker.
+or unauthenticated, a reply that disagrees with the plan, a lossy plan under the `lossless`
+quality setting, a deadline passed) the receive is aborted, which drains whatever the prefill side
+still sends, and the prompt is recovered here from its token ids, counted in
+`rekv_fallbacks_total` by reason: where the receive lost only prefix layers (its `Salvage`,
+`_salvage_of`), layers 0..m alone are recomputed and the verified ones kept (`partial`), else the
+whole prompt (`full`; `rekv_core.handoff.recovery`), counted in `rekv_fallback_recompute_seconds`
+and `rekv_fallback_recomputed_layers_total` by scope; or, with `on_handoff_failure = fail`, the
+call ends with UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the prefill
+side) and the caller's cancel or deadline end the call instead. Where tracing is on, the handoff
+is a span of the request's trace (`services.request_spans`), and the `Handoff` call carries its
+`negotiation` span's context to the prefill worker.
 """
 
 from __future__ import annotations
@@ -154,11 +154,12 @@ class Handoffs:
                          in_flight: int, queue: int, receiving: asyncio.Future,
                          negotiation: Span = NO_SPAN):
         """`negotiation`: the `Handoff` call's span, ended with the call."""
-        offer = self.connector.offer(len(ids), in_flight, queue)
+        quality = self.worker.quality(call)
+        offer = self.connector.offer(len(ids), in_flight, queue, quality)
         transfer = pending.transfer
         request = wire_convert.handoff_request(HandoffCall(
             call.request_id, transfer.transfer_id, ids, offer, call.forced_action,
-            pending.sealing, call.forced_delivery))
+            pending.sealing, call.forced_delivery, quality))
         try:
             peer = self.prefill.pick()
         except NoCompatiblePeer as exc:  # every replica serves another model
@@ -189,6 +190,9 @@ class Handoffs:
             if not rpc.done():
                 rpc.cancel()  # the prefill side sees its call cancelled and stops sending
                 self.prefill.report(peer)
+        if not quality.allows(result[0].plan.action):  # never a lossy cache under lossless
+            raise _Failed("prefill_error", f"prefill: sent {result[0].plan.action} under quality "
+                                           f"{quality.value}")
         if reply is not None:
             try:
                 self.connector.check_reply(result[0].plan, reply)

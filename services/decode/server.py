@@ -134,7 +134,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                        request_ms=total * 1e3)
         self.metrics.request.observe(total)
         done = Completion(call.request_id, len(ids), len(tokens), finish, ttft * 1e3, total * 1e3,
-                          handed.report)
+                          handed.report, worker.quality(call))
+        self.metrics.quality.labels(done.quality.value).inc()
         h = handed.report
         self.canary.offer(h.action, h.fallback, ids, handed.cache, handed.logits)
         log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f delivery=%s "

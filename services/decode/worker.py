@@ -1,8 +1,9 @@
 """The decode worker: model, tokenizer, data-plane receiver and connector behind `Decode.Generate`.
 
-`admit(call)` applies this worker's limits and tokenizes; `decoder(cache)` gives a request's
-decode step. Everything about a handoff (the offer, the receive, what is learned from it, the
-load it counts, the local recompute that replaces a failed one) is the connector's
+`admit(call)` applies this worker's limits and tokenizes; `quality(call)` is the call's quality
+setting, the deployment's (`settings.quality`) where the call sets none; `decoder(cache)` gives a
+request's decode step. Everything about a handoff (the offer, the receive, what is learned from it,
+the load it counts, the local recompute that replaces a failed one) is the connector's
 (`rekv_core.connector.DecodeConnector`). Thread-safe: the blocking methods run on worker threads.
 """
 
@@ -12,9 +13,10 @@ from collections.abc import Callable
 
 import torch
 
-from rekv_core.connector import DecodeConnector, DecodeOptions
+from rekv_core.connector import DecodeConnector, DecodeOptions, Quality
 from rekv_core.model import KVCache, decode_steps
 from rekv_core.transport import create_receiver
+from services import wire_convert
 from services.calls import GenerateCall
 from services.errors import InvalidArgument
 from services.metrics import ServiceMetrics
@@ -49,7 +51,11 @@ class DecodeWorker(Worker):
         if not 1 <= call.max_new_tokens <= self.settings.max_new_tokens:
             raise InvalidArgument(f"max_new_tokens: must lie in [1, "
                                   f"{self.settings.max_new_tokens}], got {call.max_new_tokens}")
+        wire_convert.check_forced_quality(call.forced_action, self.quality(call))
         return self._tokenize(call)
+
+    def quality(self, call: GenerateCall) -> Quality:
+        return call.quality or Quality(self.settings.quality)
 
     def _tokenize(self, call: GenerateCall) -> list[int]:
         which = "text" if call.text is not None else "token_ids"

@@ -66,6 +66,8 @@ def test_demo_runs_both_services_and_stops_them(tmp_path):
         assert p["baseline_over_streamed"] == mine["baseline"]["ttft_ms"] / mine["streamed"][
             "ttft_ms"]
     assert "request=demo-0-streamed" in (tmp_path / "logs" / "decode.log").read_text()
+    # the services' default quality setting applied, and the demo says what it may change
+    assert all(r["quality"] == "gated" for r in rows) and "quality setting: gated." in result.stdout
 
 
 def test_serve_rejects_bad_settings_by_name():
@@ -85,7 +87,7 @@ def test_gate_on_synthetic_weights_needs_and_takes_a_tokenizer(tmp_path):
     out = tmp_path / "policy.json"
     base = ("gate", "--model", "synthetic:mini-qwen2.5-7b", "--text", str(text), "--prompt-len",
             "48", "--prompts", "2", "--continuation", "4", "--codecs", "int8", "--cuts", "14,28",
-            "--out", str(out))
+            "--generation-tokens", "8", "--out", str(out))
     result = _rekv(*base)
     assert result.returncode == 2 and "tokenizer" in result.stderr
     result = _rekv(*base, "--tokenizer", "embedded")
@@ -94,3 +96,8 @@ def test_gate_on_synthetic_weights_needs_and_takes_a_tokenizer(tmp_path):
     assert policy["model"] == "mini-qwen2.5-7b"
     assert {"commit", "tree_clean", "started"} <= set(policy["meta"])
     assert {(v["codec"], v["cut"]) for v in policy["verdicts"]} == {("int8", 14), ("int8", 28)}
+    # greedy continuations of the generation set, judged against the floor
+    assert all(len(v["generation_divergences"]) == 10 and v["generation_tokens"] == 8
+               for v in policy["verdicts"])
+    assert policy["meta"]["generation"]["floor"] == {"min_agreed_tokens": 16,
+                                                     "min_exact_share": 0.75}

@@ -119,6 +119,7 @@ def test_a_valid_call_naming_a_bad_data_plane_address_gets_a_clear_status(pair, 
     request.offer.model, request.offer.num_layers = "smollm2-135m", 30
     request.offer.model_fingerprint = pair[0].prefill.info["model_fingerprint"]
     request.offer.ucx_address = address
+    request.quality = rekv_pb2.QUALITY_GATED
     with pytest.raises(grpc.RpcError) as error:
         prefill.Handoff(request, timeout=60)
     expected = (grpc.StatusCode.UNAVAILABLE if address in ("127.0.0.1:1", "[::1]:1")

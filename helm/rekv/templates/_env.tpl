@@ -66,6 +66,8 @@ range, the OTEL_* variables of tracing (tracing.endpoint set); context (dict "ro
   value: {{ int64 $c.maxInflightBytes | quote }}
 - name: REKV_ON_HANDOFF_FAILURE
   value: {{ toString $c.onHandoffFailure | quote }}
+- name: REKV_QUALITY
+  value: {{ toString $c.quality | quote }}
 - name: REKV_ENCRYPT_DATA_PLANE
   value: {{ ternary "true" "false" $c.encryptDataPlane | quote }}
 - name: REKV_LINK_GBPS

@@ -179,13 +179,31 @@ def test_the_embedded_models_policy_ships_with_its_verdicts():
     policy = shipped_policy("smollm2-135m")
     assert policy is not None, "rekv_core/plan/policies/smollm2-135m.json is not in the package"
     assert policy.model == "smollm2-135m" and policy.covers(2048)
-    assert policy.max_cut == {"int8": 30, "int4": 0, "int4h": 30, "spectrum30": 18,
-                              "spectrum50": 30, "splitzip": 30}  # the gate's, in the README
+    assert policy.max_cut == {"int8": 0, "int4": 0, "int4h": 0, "spectrum30": 0,
+                              "spectrum50": 0, "splitzip": 30}  # re-gated by generations
     assert len(policy.splitzip_codebook("kv")) == len(policy.splitzip_codebook("boundary")) == 16
     assert policy.meta.spectrum_probe.int4_tolerated
     for v in policy.verdicts:  # every verdict agrees with the cut it vouches for
         assert v["eligible"] == (v["cut"] <= policy.max_cut[v["codec"]]), v
     assert shipped_policy("no-such-model") is None
+
+
+def test_the_shipped_policy_was_judged_by_its_generations():
+    """`rekv regate` (bench/results/regate-smollm2-135m.md): every lossy codec's max cut meets
+    the generation floor, and the actions the issue saw change an answer within a dozen tokens
+    (Hadamard INT4 at cut 14, the planner's pick at cut 29) are no longer admitted."""
+    policy = shipped_policy("smollm2-135m")
+    record = policy.meta.generation
+    assert record["floor"] == {"min_agreed_tokens": 16, "min_exact_share": 0.75}
+    assert record["tokens"] == 48
+    assert {p["kind"] for p in record["prompts"]} == {"code", "chat", "prose", "passkey"}
+    assert not policy.eligible(Action("int4h", 14, 30))
+    assert not policy.eligible(Action("int4h", 29, 30))
+    for codec, search in record["codecs"].items():
+        assert policy.max_cut[codec] == search["max_cut"] <= search["max_cut_before"]
+        assert all(e["passed"] for e in search["evaluated"] if e["cut"] <= search["max_cut"])
+        above = [e["passed"] for e in search["evaluated"] if e["cut"] == search["max_cut"] + 1]
+        assert not any(above)
 
 
 def test_top1_agreement_accepts_exact_bf16_ties_only():

@@ -41,6 +41,17 @@ def test_settings_come_from_flags_then_environment(monkeypatch):
         ServiceSettings.from_args("prefill", ["--device", "tpu"])
 
 
+def test_the_deployments_quality_default_comes_from_the_flag_or_rekv_quality(monkeypatch):
+    monkeypatch.setenv("REKV_PLAINTEXT", "true")
+    decode = ["--prefill-address", "h:1"]
+    assert ServiceSettings.from_args("decode", decode).quality == "gated"
+    monkeypatch.setenv("REKV_QUALITY", "lossless")
+    assert ServiceSettings.from_args("decode", decode).quality == "lossless"
+    assert ServiceSettings.from_args("decode", [*decode, "--quality", "gated"]).quality == "gated"
+    with pytest.raises(ValueError, match="^quality: must be one of"):
+        ServiceSettings.from_args("decode", [*decode, "--quality", "best"])
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     logits = torch.randn(1000, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=1.0, top_k=5, seed=3)

@@ -18,12 +18,13 @@ from services.rpc import rekv_pb2
 L = 30
 FIELDS = ("request_id", "prompt", "token_ids", "max_new_tokens", "sampling", "forced_action",
           "transfer_id", "handoff_key", "offer", "predicted_ms", "model_ms", "prefill_ms", "q_ms",
-          "send_ms", "link_gbps_estimate", "action")
+          "send_ms", "link_gbps_estimate", "action", "quality")
 CASES = settings(max_examples=int(os.environ.get("REKV_FUZZ_EXAMPLES", "250")), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow])
 UINT32 = st.integers(0, 2**32 - 1)
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
 CODECS = st.sampled_from(["bf16", "int8", "int4", "", "int3", "BF16", "\x00"])
+QUALITIES = st.sampled_from([0, 1, 2, 3, -1, 2**31 - 1])  # unset, lossless, gated, unknown
 
 
 def _sampling():
@@ -46,6 +47,7 @@ def generate_requests(draw):
         request.forced_action.codec, request.forced_action.cut = draw(CODECS), draw(UINT32)
     if draw(st.booleans()):
         request.stop_at_eos = draw(st.booleans())
+    request.quality = draw(QUALITIES)
     return request
 
 
@@ -73,6 +75,8 @@ def test_any_generate_request_converts_or_names_its_field(request):
     assert 0 <= token < 50
     if call.forced_action is not None:
         assert 0 <= call.forced_action.cut <= L
+    assert call.quality is None or call.forced_action is None or call.quality.allows(
+        call.forced_action)
 
 
 @st.composite
@@ -102,6 +106,7 @@ def handoff_requests(draw):
                            count=draw(UINT32))
     if draw(st.booleans()):
         request.forced_action.codec, request.forced_action.cut = draw(CODECS), draw(UINT32)
+    request.quality = draw(QUALITIES)
     return request
 
 
@@ -113,6 +118,7 @@ def test_any_handoff_request_converts_or_names_its_field(request):
         return
     assert len(call.sealing.key) == 32 and call.token_ids and call.transfer_id
     assert call.sealing.binding == bytes.fromhex(call.offer.fingerprint) and call.offer.fingerprint
+    assert call.quality is not None and request.quality in (1, 2)
     costs = call.offer.costs
     for value in (costs.suffix_ms_per_layer, costs.join_ms, costs.message_ms,
                   *costs.restore_ms_per_mib.values()):

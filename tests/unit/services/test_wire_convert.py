@@ -1,14 +1,18 @@
 """The one module that reads and builds protobuf messages: values survive the round trip, and
 what a peer sends is checked field by field."""
 
+import dataclasses
+
 import pytest
 
 from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
 from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
 from rekv_core.plan.evidence import DecodeCosts, Evidence, Measured
+from rekv_core.plan.quality import Quality
 from services import wire_convert
 from services.calls import ConnectCall
 from services.errors import InvalidArgument
+from services.rpc import rekv_pb2
 
 L = 30
 FINGERPRINT = "0123456789abcdef" * 4
@@ -110,3 +114,36 @@ def test_a_connect_call_survives_the_wire_and_a_bad_one_names_its_field():
                        (ConnectCall("h:1", "probe/1", b"short"), "probe_key")]:
         with pytest.raises(InvalidArgument, match=f"^{field}: "):
             wire_convert.connect_call(wire_convert.connect_request(bad))
+
+
+def _generate(**fields):
+    request = rekv_pb2.GenerateRequest(request_id="r", max_new_tokens=4, text="hi", **fields)
+    return wire_convert.generate_call(request, L)
+
+
+def test_the_quality_setting_is_read_checked_and_sent_on():
+    assert _generate().quality is None  # unset: the deployment's default applies
+    assert _generate(quality=rekv_pb2.QUALITY_LOSSLESS).quality is Quality.LOSSLESS
+    assert _generate(quality=rekv_pb2.QUALITY_GATED).quality is Quality.GATED
+    with pytest.raises(InvalidArgument, match=r"^quality: must be one of .* got 7"):
+        _generate(quality=7)
+    lossless = dataclasses.replace(_call(), forced_action=None, quality=Quality.LOSSLESS)
+    request = wire_convert.handoff_request(lossless)
+    assert request.quality == rekv_pb2.QUALITY_LOSSLESS
+    assert wire_convert.handoff_call(request, "smollm2-135m", L) == lossless
+    request.quality = rekv_pb2.QUALITY_UNSPECIFIED  # the decode worker resolves its default
+    with pytest.raises(InvalidArgument, match="^quality: must be one of"):
+        wire_convert.handoff_call(request, "smollm2-135m", L)
+
+
+def test_a_forced_lossy_action_under_lossless_names_both_fields():
+    forced = rekv_pb2.Action(codec="int8", cut=15)
+    with pytest.raises(InvalidArgument, match=r"^forced_action: .*lossy, and quality is lossless"):
+        _generate(forced_action=forced, quality=rekv_pb2.QUALITY_LOSSLESS)
+    assert _generate(forced_action=forced, quality=rekv_pb2.QUALITY_GATED).forced_action
+    bf16 = _generate(forced_action=rekv_pb2.Action(codec="bf16", cut=15),
+                     quality=rekv_pb2.QUALITY_LOSSLESS)
+    assert bf16.forced_action == Action("bf16", 15, L)
+    request = wire_convert.handoff_request(dataclasses.replace(_call(), quality=Quality.LOSSLESS))
+    with pytest.raises(InvalidArgument, match="^forced_action: .*quality is lossless"):
+        wire_convert.handoff_call(request, "smollm2-135m", L)

@@ -1,0 +1,117 @@
+"""Generation agreement in the quality gate: greedy continuations from an action's cache against
+BF16's, the floor, the cut search, and re-gating a policy by it (real weights, short prompts)."""
+
+import pytest
+
+from rekv_core.eval.generation_set import CHAT, CODE, GenerationPrompt, generation_prompts
+from rekv_core.plan.gate import GateConfig, regate_generations, run_gate
+from rekv_core.plan.generations import GenerationFloor, GenerationScore, largest_passing_cut
+from rekv_core.plan.policy import Policy, deployed_codec
+
+TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
+        "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
+
+
+def _prompts(tokenizer):
+    return [GenerationPrompt("code", tuple(tokenizer.encode(CODE[0]))),
+            GenerationPrompt("chat", tuple(tokenizer.encode(CHAT[0])))]
+
+
+def test_the_gate_fails_generations_that_leave_bf16_early_and_passes_a_lossless_codec(
+        smollm_bf16, tokenizer):
+    config = GateConfig(prompt_len=48, prompts=1, continuation=8, needle_depths=(),
+                        generation_tokens=24)
+    policy = run_gate(smollm_bf16, tokenizer, tokenizer.encode(TEXT),
+                      [("splitzip", 30), ("int4", 30)], config, generation=_prompts(tokenizer))
+    verdicts = {v["codec"]: v for v in policy.verdicts}
+    lossless, lossy = verdicts["splitzip"], verdicts["int4"]
+    assert lossless["eligible"] and lossless["generation_exact_share"] == 1.0
+    assert lossless["generation_earliest_divergence"] == 24
+    # plain INT4 through every layer leaves BF16's greedy code within a dozen tokens
+    assert not lossy["eligible"] and lossy["generation_earliest_divergence"] <= 12
+    assert any("before token 16" in reason for reason in lossy["reasons"])
+    assert policy.max_cut["int4"] == 0 and policy.meta.generation["tokens"] == 24
+
+
+def test_the_floor_fails_an_early_divergence_or_too_few_exact_continuations():
+    floor = GenerationFloor()
+    late = GenerationScore(("code", "chat", "prose", "passkey"), (48, 48, 48, 20), 48)
+    assert floor.reasons(late) == [] and late.exact_share == 0.75
+    early = GenerationScore(("code", "chat", "prose", "passkey"), (48, 11, 48, 48), 48)
+    assert floor.reasons(early) == ["greedy output leaves BF16's before token 16 on 1 of 4 "
+                                    "prompts (chat at token 11)"]
+    assert floor.reasons(GenerationScore(("code",), (8,), 8)) == []  # 8 of 8 tokens match
+    # a search stops decoding once the rest of the prompts cannot save the action
+    assert floor.decided(GenerationScore(("code",), (11,), 48), prompts=10)
+    assert not floor.decided(GenerationScore(("code", "chat"), (30, 20), 48), prompts=10)
+    assert floor.decided(GenerationScore(("code",) * 3, (30, 20, 40), 48), prompts=10)
+    drifting = GenerationScore(("code", "chat", "prose", "passkey"), (48, 30, 20, 48), 48)
+    assert len(floor.reasons(drifting)) == 1 and "50%" in floor.reasons(drifting)[0]
+
+
+def test_bisection_finds_the_largest_passing_cut_and_checks_below_it():
+    calls = []
+
+    def below_19(cut):
+        calls.append(cut)
+        return cut < 19
+
+    search = largest_passing_cut(below_19, 30)
+    assert search.max_cut == 18 and search.monotone and calls[0] == 30
+    assert len(calls) <= 9 and all(search.evaluated[c] == (c < 19) for c in calls)
+    assert largest_passing_cut(lambda cut: True, 30).evaluated == {30: True, 10: True, 20: True}
+    # a cut below the one bisection found fails: the max cut drops below it
+    holes = largest_passing_cut(lambda cut: cut != 6 and cut <= 18, 30, verify=2)
+    assert not holes.monotone and holes.max_cut == 5
+    assert largest_passing_cut(lambda cut: False, 0).max_cut == 0
+
+
+def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_it(
+        smollm_bf16, tokenizer):
+    verdict = {"eligible": True, "reasons": [], "bf16_perplexity": 10.0}
+    policy = Policy("smollm2-135m", (1, 2048), {"int4": 30, "splitzip": 30},
+                    verdicts=[{"codec": "int4", "cut": 30, **verdict},
+                              {"codec": "splitzip", "cut": 30, **verdict}])
+    regated = regate_generations(smollm_bf16, policy, _prompts(tokenizer)[:1],
+                                 GateConfig(generation_tokens=16),
+                                 lambda name: deployed_codec(name, policy.meta))
+    assert regated.max_cut["splitzip"] == 30 and regated.max_cut["int4"] < 30
+    record = regated.meta.generation["codecs"]["int4"]
+    assert record["max_cut_before"] == 30 and record["max_cut"] == regated.max_cut["int4"]
+    assert all(e["passed"] for e in record["evaluated"] if e["cut"] <= record["max_cut"])
+    verdicts = {v["codec"]: v for v in regated.verdicts}
+    assert verdicts["splitzip"]["eligible"] and not verdicts["int4"]["eligible"]
+    assert "before token 16" in verdicts["int4"]["reasons"][0]
+
+
+def test_the_calibration_set_holds_code_chat_prose_and_a_passkey(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    prompts = generation_prompts(tokenizer, ids, prose=1, prose_len=64, passkey_len=300)
+    kinds = [p.kind for p in prompts]
+    assert kinds.count("code") == len(CODE) and kinds.count("chat") == len(CHAT)
+    assert kinds.count("prose") == 1 and kinds.count("passkey") == 1
+    prose = next(p for p in prompts if p.kind == "prose")
+    assert len(prose.ids) == 64 and list(prose.ids) == ids[len(ids) // 2:][:64]
+    assert 200 < len(prompts[-1].ids) <= 300
+
+
+def test_runs_on_different_codecs_combine_into_one_policy():
+    from rekv_core.plan.gate import combine_regates
+
+    verdict = {"eligible": True, "reasons": []}
+    base = Policy("smollm2-135m", (1, 2048), {"int8": 30, "int4h": 30, "splitzip": 30},
+                  verdicts=[{"codec": c, "cut": 30, **verdict} for c in ("int8", "int4h")])
+
+    def run(codec, max_cut):
+        record = {"tokens": 48, "codecs": {codec: {"max_cut": max_cut}}}
+        verdicts = [{**v, "eligible": False, "reasons": ["x"]} if v["codec"] == codec else v
+                    for v in base.verdicts]
+        return Policy(base.model, base.prompt_len_range, {**base.max_cut, codec: max_cut},
+                      verdicts=verdicts, meta={"generation": record})
+
+    combined = combine_regates(base, [run("int8", 4), run("int4h", 9)])
+    assert combined.max_cut == {"int8": 4, "int4h": 9, "splitzip": 30}
+    assert not any(v["eligible"] for v in combined.verdicts)
+    assert set(combined.meta.generation["codecs"]) == {"int8", "int4h"}
+    with pytest.raises(ValueError, match="more than one judged"):
+        combine_regates(base, [run("int8", 4), run("int8", 5)])
