@@ -26,6 +26,7 @@ from tests.support.inprocess_handoff import run_handoff
 L = 30
 IDS = list(range(1, 41))
 KEEP = Receiving(keep_verified=True)
+HOLD_S = 8.0  # a held sender: well past the receiver's 1.5 s stall limit, however loaded the machine
 
 
 def _flip(name):
@@ -134,7 +135,7 @@ class _StopAfter:
 def test_a_prefix_held_past_the_deadline_keeps_the_layers_in(smollm_bf16):
     """The seed's schedule sends the boundary first, then layers 0..c-1: held after half of
     them, the rest are missing when the receiver's time is up."""
-    hold = _StopAfter("layer.5", hold_s=20.0)
+    hold = _StopAfter("layer.5", hold_s=HOLD_S)
     try:
         partial = _salvage(smollm_bf16, IDS, Action("bf16", 12, L), hooks=hold,
                            receive_transfer=Transfer("r", stall_s=1.5))
@@ -182,7 +183,7 @@ def test_a_boundary_or_token_ids_in_doubt_salvage_nothing(smollm_bf16, what):
     else:  # a streamed boundary follows the whole prefix: held mid-prefix, it never comes
         action = Action("bf16", 12, L)
         kwargs = {"source": LivePrefill(smollm_bf16, ids, 12),
-                  "hooks": _StopAfter("layer.5", hold_s=20.0),
+                  "hooks": _StopAfter("layer.5", hold_s=HOLD_S),
                   "receive_transfer": Transfer("r", stall_s=1.5)}
     source = kwargs.pop("source", prefill(smollm_bf16, ids))
     try:
