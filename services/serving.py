@@ -13,11 +13,15 @@ process exits 0.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
+import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -95,14 +99,28 @@ def _health_only_server(settings: ServiceSettings, health_servicer
     return server, port
 
 
-def run(settings: ServiceSettings, build: Build) -> int:
+def run(settings: ServiceSettings, build: Build) -> NoReturn:
+    faulthandler.enable()  # a crash in native code leaves every thread's stack in the log
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
     except ImportError:  # not on Linux or macOS: the standard loop still works
-        return asyncio.run(serve(settings, build))
-    return uvloop.run(serve(settings, build))
+        code = asyncio.run(serve(settings, build))
+    else:
+        code = uvloop.run(serve(settings, build))
+    _exit_now(code)
+
+
+def _exit_now(code: int) -> None:
+    """End the process once the drain is done, without the interpreter's teardown: every call
+    has ended and every resource the services hold is closed by then, while native libraries'
+    own finalizers racing at interpreter exit have crashed a clean stop (UCX's async handler,
+    `async.c:149: Assertion handler->id == id`, after a killed peer's endpoints)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 async def serve(settings: ServiceSettings, build: Build) -> int:

@@ -139,6 +139,19 @@ def gauge(cluster: Cluster, process: ServiceProcess, name: str) -> float:
     return float(re.search(rf"^{name} (\S+)$", cluster.metrics(process), re.M).group(1))
 
 
+def wait_for_transfer_state(cluster: Cluster, state: str, timeout: float = 60.0) -> None:
+    """Until the decode service counts a transfer in `state` (`rekv_transfers{state}`): a hold
+    on the prefill side says what left, not what has arrived."""
+    pattern = re.compile(rf'^rekv_transfers\{{state="{state}"\}} (\S+)$', re.M)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = pattern.search(cluster.metrics(cluster.decode))
+        if match and float(match.group(1)) >= 1:
+            return
+        time.sleep(0.02)
+    raise TimeoutError(f"no transfer reached {state} on the decode service")
+
+
 def threads(process: ServiceProcess) -> int:
     status = Path(f"/proc/{process.process.pid}/status").read_text()
     return int(re.search(r"^Threads:\s+(\d+)$", status, re.M).group(1))
@@ -336,6 +349,7 @@ def test_only_the_lost_layers_are_recomputed(cluster, reference):
     flipped = cluster.request("flip_late_bit/partial")
     pending = InBackground(cluster, "hold_prefix/killed-partial", schedule=SEED)
     wait_for_hold(prefill, "hold_prefix/killed-partial")
+    wait_for_transfer_state(cluster, "prefix")  # the boundary is in hand, not only sent
     cluster.kill_prefill()
     killed = pending.result()
     for result, reason in ((flipped, "integrity"), (killed, "prefill_unavailable")):

@@ -46,6 +46,7 @@ from rekv_core.transport.ucx.engine import UcxEngine, release_engine
 from rekv_core.transport.ucx.framing import MAX_FRAME, decode_frame, message_tag, wire_view
 
 PROBE_INTERVAL_MAX = 0.001  # s: a waiting receiver sees a new message at most this late
+PART_GIVE_UP_LOOK_S = 0.05  # s: how often a reader missing parts of a message may give up
 LISTEN_ATTEMPTS = 20  # binding a fixed port, 0.5 s apart
 
 
@@ -57,6 +58,20 @@ def _context():
 
 async def _recv_tag(buffer, tag: int) -> None:
     await _context().recv(buffer, tag)
+
+
+async def _all_parts(receives: list, give_up: Callable[[], bool]) -> None:
+    waiting = {asyncio.ensure_future(r) for r in receives}
+    try:
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, timeout=PART_GIVE_UP_LOOK_S)
+            for part in done:
+                part.result()
+            if waiting and give_up():
+                raise TransportError(f"{len(waiting)} part(s) of a message never came")
+    finally:
+        for part in waiting:
+            part.cancel()
 
 
 async def _discard(context, probe) -> None:
@@ -185,7 +200,8 @@ class UcxReceiver(TransportReceiver):
                     return
                 draining = inbox.state > ReceiveState.OPEN
                 message = await self._recv_message(
-                    request_id, seq, frame, device=torch.device("cpu") if draining else None)
+                    request_id, seq, frame, device=torch.device("cpu") if draining else None,
+                    give_up=lambda: self._give_up(inbox))
                 previous_end = time.perf_counter()
                 message.arrival = Arrival(held, first_look, window, previous_end,
                                           len(frame) + message.payload_bytes)
@@ -249,7 +265,10 @@ class UcxReceiver(TransportReceiver):
         return item
 
     async def _recv_message(self, request_id: str, seq: int, frame: torch.Tensor,
-                            device=None) -> Message:
+                            device=None, give_up: Callable[[], bool] = lambda: False
+                            ) -> Message:
+        """The message `frame` announces, its buffers received whole; a TransportError once
+        `give_up()` while a part is still missing (an aborted sender's parts may never come)."""
         meta = decode_frame(frame, self.max_message_bytes)
         if meta["request_id"] != request_id or meta["seq"] != seq:
             raise TransportError(f"request {request_id}: frame of request {meta['request_id']} "
@@ -262,7 +281,7 @@ class UcxReceiver(TransportReceiver):
             buffers[name] = buf
             if nbytes:
                 receives.append(_recv_tag(wire_view(buf), message_tag(request_id, seq, part)))
-        await asyncio.gather(*receives)
+        await _all_parts(receives, give_up)
         return Message(request_id, seq, meta["name"], meta["header"].encode("latin-1"), buffers)
 
     def close(self, request_id: str) -> None:
