@@ -45,7 +45,8 @@ from rekv_core.handoff import (HandoffPlan, HandoffResult, Receiving, Sealing,
 from rekv_core.handoff.recovery import FULL, Recovery, Salvage, recompute_lost, recovery
 from rekv_core.handoff.seal import new_key
 from rekv_core.handoff.transfer import Transfer, TransferBook
-from rekv_core.model import KVCache, Model, prefill
+from rekv_core.model import KVCache, Model
+from rekv_core.model.turns import UNLIMITED, ComputeTurns, prefill_in_turns
 from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.plan.decode_load import DecodeLoad, DecodeWork, Receive, ReceiveOverlaps
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
@@ -98,8 +99,9 @@ class Learned:
 class DecodeConnector:
     def __init__(self, model: Model, calibration: DecodeCalibration,
                  receiver: TransportReceiver, options: DecodeOptions,
-                 transfers: TransferBook | None = None):
+                 transfers: TransferBook | None = None, turns: ComputeTurns = UNLIMITED):
         self.model, self.shape = model, model.shape
+        self.turns = turns  # where this worker's prefill-like compute takes its turns
         self.calibration, self.receiver, self.options = calibration, receiver, options
         self.load = DecodeLoad(transfers or TransferBook())
         self.sharing = SharingMeter(self.load.computing)
@@ -107,11 +109,11 @@ class DecodeConnector:
 
     @classmethod
     def for_model(cls, model: Model, receiver: TransportReceiver, options: DecodeOptions,
-                  profile: str = "", transfers: TransferBook | None = None
-                  ) -> DecodeConnector:
+                  profile: str = "", transfers: TransferBook | None = None,
+                  turns: ComputeTurns = UNLIMITED) -> DecodeConnector:
         calibration = DecodeCalibration.for_model(model, options.codecs, profile,
                                                   options.link_prior_gbps)
-        return cls(model, calibration, receiver, options, transfers)
+        return cls(model, calibration, receiver, options, transfers, turns)
 
     @property
     def link_measured(self) -> bool:
@@ -164,7 +166,8 @@ class DecodeConnector:
         result = receive_handoff(self.model, self.receiver, pending.transfer, pending.sealing,
                                  Receiving(prompt_len=pending.prompt_len,
                                            extra_capacity=pending.max_new_tokens,
-                                           work=pending.work, keep_verified=True))
+                                           work=pending.work, keep_verified=True,
+                                           turns=self.turns))
         t = result.timings
         if t.suffix_end_s <= 0.0:
             return result, 1.0
@@ -210,9 +213,12 @@ class DecodeConnector:
 
     def recompute(self, ids: list[int], capacity: int) -> tuple[KVCache, torch.Tensor]:
         """The prompt's cache and first logits, computed here."""
+        shape = self.shape
+        cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, capacity,
+                        self.model.dtype, self.model.device)
         with self.load.recomputing(len(ids)):
-            out = prefill(self.model, ids, boundaries=())
-        return KVCache.from_layers(out.keys, out.values, capacity), out.logits
+            logits = prefill_in_turns(self.model, ids, cache, self.turns)
+        return cache, logits
 
     def recover(self, ids: list[int], capacity: int, salvage: Salvage | None) -> Recovered:
         """After a failed handoff: layers 0..m recomputed over the `salvage` (partial), or the
@@ -223,7 +229,7 @@ class DecodeConnector:
         if decided.scope == FULL:
             return Recovered(*self.recompute(ids, capacity), decided)
         with self.load.recomputing(len(ids), decided.layers):
-            cache = recompute_lost(self.model, ids, salvage)
+            cache = recompute_lost(self.model, ids, salvage, self.turns)
         return Recovered(cache, salvage.logits, decided)
 
     def memory(self, prompt_len: int, max_new_tokens: int) -> int:

@@ -19,7 +19,10 @@ success, `abort` after any failure. Its plan (`HandoffPlan`) arrives first, in-b
 The same reading serves a streamed handoff (`Delivery.streamed`), whose prefix comes first, and a
 pipelined one (`Order.TOKENS`), whose prefix comes in the boundary's row chunks, each chunk's
 after its boundary rows. `Receiving.work`, when given, is told what the plan gives this side to
-compute and when it computes (`ComputeObserver`: the decode side's load book counts it).
+compute and when it computes (`ComputeObserver`: the decode side's load book counts it). This
+side's compute (the suffix, a token-only prefill) runs in pieces, each in a turn of
+`Receiving.turns` (`rekv_core.model.turns`: a decode engine interleaves them with its decode
+steps); its K, V and logits do not depend on how it was cut.
 
 Every message is opened with the handoff's key and its bytes checked against their checksums before
 anything reads them (`seal`). Token-only runs the whole prefill on the receiver; transfer-only
@@ -56,7 +59,9 @@ from rekv_core.handoff.seal import Sealing, check_checksums
 from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
 from rekv_core.handoff.wire import PLAN, TOKENS
 from rekv_core.model.cache import KVCache
-from rekv_core.model.executor import Model, final_logits, prefill, run_layers_chunk
+from rekv_core.model.executor import Model, final_logits
+from rekv_core.model.turns import (UNLIMITED, ComputeTurns, TimedTurns, prefill_in_turns,
+                                 run_layers_in_turns)
 from rekv_core.transport import TransportError, TransportReceiver
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -89,6 +94,7 @@ class Receiving:
     extra_capacity: int = 0
     work: ComputeObserver | None = None
     keep_verified: bool = False
+    turns: ComputeTurns = UNLIMITED  # where this side's compute takes its turns (an engine's)
 
     def __post_init__(self) -> None:
         if not isinstance(self.mode, ReceiveMode):
@@ -177,13 +183,14 @@ def _receive(model: Model, inbound: Inbound, receiving: Receiving, start: float,
     elif cache.capacity != S + extra:
         raise TransportError(f"plan: a prompt of {S} tokens, expected "
                              f"{cache.capacity - extra}")
+    turns = TimedTurns(receiving.turns, work.computing, model.device)
     if plan.action.cut == 0:
-        return _recompute_prompt(model, inbound, plan, cache, start, work)
-    return _restore_and_recompute(model, inbound, receiving, plan, cache, start, work)
+        return _recompute_prompt(model, inbound, plan, cache, start, turns)
+    return _restore_and_recompute(model, inbound, receiving, plan, cache, start, turns)
 
 
 def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: KVCache,
-                      start: float, work: ComputeObserver) -> HandoffResult:
+                      start: float, turns: TimedTurns) -> HandoffResult:
     """Token-only: the prompt's ids arrive, this worker runs every layer."""
     S = plan.seq_len
     message = inbound.expect(TOKENS)
@@ -193,16 +200,11 @@ def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: 
     if len(ids) != S:
         raise TransportError(f"tokens: expected {S} ids, got {len(ids)}")
     began = time.perf_counter()
-    work.computing(True)
-    try:
-        out = prefill(model, ids, boundaries=())
-    finally:
-        work.computing(False)
-    cache.load(out.keys, out.values)
+    logits = prefill_in_turns(model, ids, cache, turns)
     done = time.perf_counter()
     timings = HandoffTimings(h_s=began - start, r_s=done - began, total_s=done - start,
                              suffix_end_s=done - start)
-    return HandoffResult(plan, cache, out.logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
+    return HandoffResult(plan, cache, logits, timings, WireBytes(tokens=S * TOKEN_ID_BYTES))
 
 @dataclass(frozen=True)
 class _Suffix:
@@ -214,12 +216,13 @@ class _Suffix:
 
 
 def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCache,
-                work: ComputeObserver) -> _Suffix:
-    """Layers c..L−1, one boundary chunk at a time as each arrives (`run_layers_chunk`)."""
+                turns: TimedTurns) -> _Suffix:
+    """Layers c..L−1, one boundary chunk at a time as each arrives, in turns
+    (`run_layers_in_turns`)."""
     cuda = model.device.type == "cuda"
     shape = (model.shape.hidden_size,)
     h = None
-    began = compute = 0.0
+    began = 0.0
     wire = 0
     for index, (s0, s1) in enumerate(plan.boundary_chunks):
         message = incoming.next_chunk(index)
@@ -231,18 +234,12 @@ def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCa
         if index == 0:
             began = now
             transfer.advance(TransferState.PREFIX)
-        work.computing(True)
-        try:
-            h = run_layers_chunk(model, rows, plan.action.cut, s0, cache)
-            if cuda:
-                torch.cuda.current_stream(model.device).synchronize()
-        finally:
-            work.computing(False)
-        compute += time.perf_counter() - now
+        h = run_layers_in_turns(model, rows, plan.action.cut, model.shape.num_layers, s0, cache,
+                                turns)
     logits = final_logits(model, h[-1])
     if cuda:
         torch.cuda.current_stream(model.device).synchronize()
-    return _Suffix(logits, began, time.perf_counter(), compute, wire)
+    return _Suffix(logits, began, time.perf_counter(), turns.compute_s, wire)
 
 
 def _join(worker: threading.Thread, inbound: Inbound) -> None:
@@ -259,7 +256,7 @@ def _join(worker: threading.Thread, inbound: Inbound) -> None:
 
 def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
                            plan: HandoffPlan, cache: KVCache, start: float,
-                           work: ComputeObserver) -> HandoffResult:
+                           turns: TimedTurns) -> HandoffResult:
     """A cut c ≥ 1: the prefix restored by the reading thread beside the suffix, which runs on
     this thread one boundary chunk at a time (overlap), or after the whole prefix (sequential)."""
     action, S, mode = plan.action, plan.seq_len, receiving.mode
@@ -273,7 +270,7 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
         worker = threading.Thread(target=incoming.run, name=f"rekv-prefix-{inbound.request_id}")
         worker.start()
         try:
-            suffix = _run_suffix(model, plan, incoming, cache, work)
+            suffix = _run_suffix(model, plan, incoming, cache, turns)
         except BaseException:  # wake the reading thread instead of waiting out its timeout
             inbound.transport.abort(inbound.request_id)
             raise
@@ -282,7 +279,7 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
     else:
         incoming.run()
         whole = incoming.error is None or (receiving.keep_verified and incoming.boundary_complete)
-        suffix = _run_suffix(model, plan, incoming, cache, work) if whole else None
+        suffix = _run_suffix(model, plan, incoming, cache, turns) if whole else None
     if incoming.error is not None or incoming.losses:
         _raise_what_is_lost(model, plan, incoming, cache, suffix)
     inbound.transfer.advance(TransferState.JOINING)

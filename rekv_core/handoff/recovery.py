@@ -32,7 +32,8 @@ import torch
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.model.cache import KVCache
-from rekv_core.model.executor import Model, embed, iter_layers
+from rekv_core.model.executor import Model
+from rekv_core.model.turns import UNLIMITED, ComputeTurns, prefill_in_turns
 
 PARTIAL, FULL = "partial", "full"
 
@@ -75,13 +76,14 @@ def recovery(salvage: Salvage | None, ids: Sequence[int], num_layers: int) -> Re
 
 
 @torch.inference_mode()
-def recompute_lost(model: Model, ids: Sequence[int], salvage: Salvage) -> KVCache:
-    """The salvaged cache with layers 0..m recomputed from `ids` (m: the highest lost layer)."""
+def recompute_lost(model: Model, ids: Sequence[int], salvage: Salvage,
+                   turns: ComputeTurns = UNLIMITED) -> KVCache:
+    """The salvaged cache with layers 0..m recomputed from `ids` (m: the highest lost layer), in
+    `turns` (`rekv_core.model.turns`)."""
     if salvage.plan.seq_len != len(ids):
         raise ValueError(f"ids: {len(ids)} tokens, the salvaged plan has {salvage.plan.seq_len}")
     stop = recovery(salvage, ids, model.shape.num_layers).layers
-    for step in iter_layers(model, embed(model, ids), 0, stop):
-        salvage.cache.write(step.index, 0, step.keys, step.values)
+    prefill_in_turns(model, ids, salvage.cache, turns, stop)
     return salvage.cache
 
 

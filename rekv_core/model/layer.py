@@ -82,7 +82,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
+def project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = model.shape
     s = x.shape[0]
@@ -100,7 +100,7 @@ def _project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Ten
     return q, k, v
 
 
-def _mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+def mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, lw.w_down)
 
@@ -126,7 +126,7 @@ def layer_forward(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor,
     K, V `[n_kv, n, d_h]`."""
     lw = model.weights.layers[index]
     eps = model.shape.rms_eps
-    q, k, v = _project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
+    q, k, v = project_qkv(model, lw, rms_norm(h, lw.attn_norm, eps), cos, sin)
     if observe is not None:
         observe(q, k)
     if store is None:
@@ -136,7 +136,7 @@ def layer_forward(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor,
         out = (attend_causal(q, k_all, v_all, causal_from) if causal_from is not None
                else attend(q, k_all, v_all, mask=mask))
     h = h + linear(out, lw.wo)
-    h = h + _mlp(lw, rms_norm(h, lw.mlp_norm, eps))
+    h = h + mlp(lw, rms_norm(h, lw.mlp_norm, eps))
     return h, k, v
 
 

@@ -17,6 +17,7 @@ LAYERS = (
     ("rekv_core.units", "rekv_core.timing", "rekv_core.streams", "rekv_core.env"),
     ("rekv_core.kernels", "rekv_core.transport", "rekv_core.eval"),
     ("rekv_core.model",),
+    ("rekv_core.engine",),
     ("rekv_core.codecs",),
     ("rekv_core.handoff",),
     ("rekv_core.plan",),
@@ -105,7 +106,7 @@ def test_the_layer_check_catches_a_wrong_import(tmp_path):
     assert _imports(bad) == {"rekv_cli.main", "grpc"}
     assert _package("rekv_cli.main")[0] > _package("rekv_core.plan.planner")[0]
     assert _within("grpc", CORE_NEVER) and _package("services.decode.server") == (
-        10, "services.decode")
+        11, "services.decode")
 
 
 def _from_imports(path: Path) -> list[tuple[str, str]]:

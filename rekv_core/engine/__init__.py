@@ -1,0 +1,11 @@
+"""The decode engine: one loop per decode worker that batches every stream's next token and
+interleaves the worker's prefill-like work (suffix, token-only, recompute) in budgeted turns."""
+
+from rekv_core.engine.budget import (ITL_BUDGET_FACTOR, ItlBudget, default_budget_ms,
+                                     measure_costs)
+from rekv_core.engine.loop import (DecodeEngine, EngineClosed, EngineObserver, EngineState,
+                                   Stream)
+
+__all__ = ["DecodeEngine", "EngineClosed", "EngineObserver", "EngineState",
+           "ITL_BUDGET_FACTOR", "ItlBudget",
+           "Stream", "default_budget_ms", "measure_costs"]

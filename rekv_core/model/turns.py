@@ -1,0 +1,133 @@
+"""Prefill-like work cut into turns, so a decode engine can interleave it with its decode steps.
+
+A decode worker computes more than decode steps: the suffix from a boundary, a token-only
+handoff's prefill, a failed handoff's recompute. Each of those runs here as a sequence of pieces,
+each one a block of rows through a run of layers, and each piece asks `turns.turn()` for its turn
+first: a context manager that waits until the turn is granted and yields a `Turn`, whose
+`allowance` bounds the piece in token-layers (rows × layers), and which the piece tells what it
+spent. `UNLIMITED` grants every turn at once with no bound (no engine: a test, a bench, the
+prefill side); `rekv_core.engine` grants them between its decode steps, sized to its ITL budget.
+
+`run_layers_in_turns(model, h, start, stop, pos, cache, turns)` is `run_layers_chunk` cut into
+such pieces and `prefill_in_turns(model, ids, cache, turns, stop)` the prompt's prefill. A piece
+covers whole `EXEC_BLOCK`s of rows (or the tail) through one or more whole layers, and runs
+through `run_layers_chunk`, so the K, V and hidden states are bit-identical to one unchunked run
+whatever the allowances were. The smallest piece (one block of rows, one layer) runs even when
+the allowance is smaller: work always progresses. `TimedTurns` times a caller's turns and tells
+its load book when it computes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from rekv_core.model.blocks import EXEC_BLOCK
+from rekv_core.model.cache import KVCache
+from rekv_core.model.executor import embed, run_layers_chunk
+from rekv_core.model.layer import Model, final_logits
+
+
+@dataclass
+class Turn:
+    allowance: int  # token-layers this piece may compute (a piece of one block × one layer runs
+    spent: int = 0  # regardless); what it computed, told by the piece
+
+
+class ComputeTurns(Protocol):
+    def turn(self) -> contextlib.AbstractContextManager[Turn]: ...
+
+
+class _Unlimited:
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[Turn]:
+        yield Turn(allowance=1 << 62)
+
+
+UNLIMITED: ComputeTurns = _Unlimited()
+
+
+def piece(rows_left: int, layers_left: int, allowance: int) -> tuple[int, int]:
+    """(rows, layers) of the next piece: all the rows through as many layers as the allowance
+    holds, else as many whole blocks of rows as it holds through one layer; at least one block
+    (or the tail) through one layer."""
+    if rows_left <= 0 or layers_left <= 0:
+        raise ValueError(f"piece: nothing left ({rows_left} rows, {layers_left} layers)")
+    if rows_left <= EXEC_BLOCK or rows_left <= allowance:
+        return rows_left, max(1, min(layers_left, allowance // rows_left))
+    return min(rows_left, max(1, allowance // EXEC_BLOCK) * EXEC_BLOCK), 1
+
+
+@torch.inference_mode()
+def run_layers_in_turns(model: Model, h: torch.Tensor, start: int, stop: int, pos: int,
+                        cache: KVCache, turns: ComputeTurns = UNLIMITED) -> torch.Tensor:
+    """`run_layers_chunk(model, h, start, pos, cache, stop)` in pieces, each in its own turn; the
+    residual states leaving layer stop − 1, `[n, d]`."""
+    n = h.shape[0]
+    outs: list[torch.Tensor] = []
+    row = 0
+    while row < n:  # a run of rows through every layer, in one or more pieces
+        rows, layer, part = 0, start, h[row:]
+        while layer < stop:
+            with turns.turn() as turn:
+                if not rows:
+                    rows, layers = piece(n - row, stop - layer, turn.allowance)
+                    part = part[:rows]
+                else:
+                    layers = max(1, min(stop - layer, turn.allowance // rows))
+                part = run_layers_chunk(model, part, layer, pos + row, cache, layer + layers)
+                turn.spent = rows * layers
+            layer += layers
+        if not rows:  # no layers to run
+            return h
+        outs.append(part)
+        row += rows
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+@torch.inference_mode()
+def prefill_in_turns(model: Model, token_ids: Sequence[int], cache: KVCache,
+                     turns: ComputeTurns = UNLIMITED, stop: int | None = None
+                     ) -> torch.Tensor:
+    """The prompt through layers [0, stop) (all by default) in turns, its K and V written into
+    `cache` from position 0 (its length set to the prompt's when every layer ran); returns the
+    last position's logits `[vocab]` when every layer ran, else the states leaving layer
+    stop − 1 `[S, d]`."""
+    stop = model.shape.num_layers if stop is None else stop
+    h = run_layers_in_turns(model, embed(model, token_ids), 0, stop, 0, cache, turns)
+    if stop < model.shape.num_layers:
+        return h
+    cache.length = max(cache.length, h.shape[0])
+    return final_logits(model, h[-1])
+
+
+class TimedTurns:
+    """`turns` whose every turn is timed (`compute_s`, on CUDA up to the device's end of the
+    piece) and told to `computing(True/False)` (the decode side's load book): a caller's compute,
+    without its waits for a turn."""
+
+    def __init__(self, turns: ComputeTurns, computing: Callable[[bool], None] | None = None,
+                 device: torch.device | None = None):
+        self.turns, self.computing = turns, computing
+        self.cuda = device if device is not None and device.type == "cuda" else None
+        self.compute_s = 0.0
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[Turn]:
+        with self.turns.turn() as turn:
+            began = time.perf_counter()
+            if self.computing:
+                self.computing(True)
+            try:
+                yield turn
+                if self.cuda is not None:
+                    torch.cuda.current_stream(self.cuda).synchronize()
+            finally:
+                if self.computing:
+                    self.computing(False)
+                self.compute_s += time.perf_counter() - began
