@@ -95,6 +95,7 @@ class ServiceMetrics:
         self._incompatible = _IncompatiblePeers(dict)
         r.register(self._incompatible)
         self.canary = CanaryMetrics(r) if role == "decode" else None
+        self.engine = EngineMetrics(r) if role == "decode" else None
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
@@ -189,3 +190,46 @@ class CanaryMetrics:
                             registry=registry)
         self.seconds = Histogram("rekv_canary_seconds", "Compute of one canary check",
                                  buckets=BUCKETS, registry=registry)
+
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EngineMetrics:
+    """The decode engine (rekv_core.engine): its `EngineObserver`, and gauges of its batch."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.itl = Histogram("rekv_itl_seconds", "Inter-token latency: between two tokens of a "
+                             "stream (after its first)", buckets=BUCKETS, registry=r)
+        self.batch_size = Histogram("rekv_decode_batch_size", "Streams in each batched decode "
+                                    "step", buckets=BATCH_BUCKETS, registry=r)
+        self.step = Histogram("rekv_decode_step_seconds", "One batched decode step",
+                              buckets=BUCKETS, registry=r)
+        self.turn = Histogram("rekv_engine_turn_seconds", "One turn of prefill-like work (suffix, "
+                              "token-only, recompute) between two decode steps", buckets=BUCKETS,
+                              registry=r)
+        self.turn_work = Counter("rekv_engine_turn_token_layers", "Prefill-like work done in the "
+                                 "engine's turns, token-layers (rows x layers)", registry=r)
+        self.running = Gauge("rekv_decode_batch", "Streams in the running batch", registry=r)
+        self.waiting = Gauge("rekv_decode_waiting", "Streams waiting to join the batch",
+                             registry=r)
+        self.budget = Gauge("rekv_itl_budget_seconds", "The ITL budget the engine sizes its "
+                            "turns to", registry=r)
+
+    def watch(self, running: Callable[[], int], waiting: Callable[[], int],
+              budget_s: float) -> None:
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+        self.budget.set(budget_s)
+
+    def stepped(self, batch: int, seconds: float) -> None:
+        self.batch_size.observe(batch)
+        self.step.observe(seconds)
+
+    def token_gap(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+
+    def turned(self, token_layers: int, seconds: float, batch: int) -> None:
+        self.turn.observe(seconds)
+        self.turn_work.inc(token_layers)

@@ -64,7 +64,10 @@ class Worker:
         metrics.record_model(self.shape.name, self.fingerprint.hex)
         self.transfers = TransferBook()
         what = "request" if settings.role == "decode" else "handoff"
-        self.admission = Admission(settings.max_concurrent + settings.max_queue,
+        # a decode engine's streams hold their call beyond the handoff slots
+        decoding = settings.max_batch if (settings.role, settings.decode_path) == (
+            "decode", "batched") else 0
+        self.admission = Admission(settings.max_concurrent + decoding + settings.max_queue,
                                    settings.max_inflight_bytes, what)
         metrics.watch_transfers(self.transfers.count)
         metrics.inflight_bytes.set_function(lambda: self.admission.bytes)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from rekv_core import env
@@ -30,6 +31,7 @@ WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # (bench/results/link-smollm2-135m.md). The prefill worker has nothing to run beside its sends.
 DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
+DECODE_PATHS = ("batched", "per_request")
 FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "flip_late_bit",
           "forge_checksum", "replay", "coarse_codec")
 BY_REQUEST = "by_request"
@@ -78,7 +80,17 @@ class ServiceSettings(RuntimeSettings):
     prefill_incompatible_s: float = 60.0
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 512  # the limit on a request's max_new_tokens
-    max_concurrent: int = 4  # requests handled at once; more wait in the queue
+    # prefill: handoffs computed at once; decode: handoffs received at once (the streams decoding
+    # are bounded by max_batch); more wait in the queue
+    max_concurrent: int = 4
+    # decode: the engine (rekv_core.engine): the streams one batched step decodes at most (more
+    # wait to join); the inter-token latency budget its prefill-like chunks (suffix, token-only,
+    # recompute) are sized to, ms (0: ITL_BUDGET_FACTOR x the single-stream step measured at
+    # start); and the decode path: batched, or per_request (each request decodes alone on a thread
+    # of its own, as before the engine: kept for the comparison bench)
+    max_batch: int = 32
+    itl_budget_ms: float = 0.0
+    decode_path: str = "batched"
     # Admission control: calls beyond max_concurrent + max_queue, or whose handoff would take
     # the memory held for handoffs in flight (KV, boundary, buffers) past max_inflight_bytes,
     # end at once with RESOURCE_EXHAUSTED
@@ -145,7 +157,7 @@ class ServiceSettings(RuntimeSettings):
             if not 0 <= port < 65536:
                 raise ValueError(f"{name}: must lie in [0, 65535], got {port}")
         for name in ("max_prompt_tokens", "max_new_tokens", "max_concurrent",
-                     "max_inflight_bytes"):
+                     "max_inflight_bytes", "max_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         unknown = [c for c in self.codecs if c not in codec_names()]
@@ -171,6 +183,12 @@ class ServiceSettings(RuntimeSettings):
                 raise ValueError(f"{missing[0]}: required for mutual TLS (with "
                                  f"{', '.join(missing[1:]) or 'the other two files'}); set "
                                  f"plaintext explicitly to serve without TLS")
+        if not (self.itl_budget_ms >= 0 and math.isfinite(self.itl_budget_ms)):
+            raise ValueError(f"itl_budget_ms: must be a finite number >= 0 (0: measured at "
+                             f"start), got {self.itl_budget_ms}")
+        if self.decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path: must be one of {DECODE_PATHS}, got "
+                             f"{self.decode_path!r}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue: must be >= 0, got {self.max_queue}")
         if self.on_handoff_failure not in HANDOFF_FAILURE_POLICIES:

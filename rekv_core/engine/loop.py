@@ -103,6 +103,15 @@ class _Ticket:
     released: threading.Event = field(default_factory=threading.Event)
 
 
+def _emit(stream: Stream, token: int | None, finish: str | None,
+          error: BaseException | None) -> None:
+    try:
+        stream.emit(token, finish, error)
+    except Exception:  # a caller gone (its loop closed) must not stop the others' tokens
+        log.exception("stream %s: emit failed; the stream is taken out", stream.request_id)
+        stream.cancelled = True
+
+
 class DecodeEngine:
     def __init__(self, model: Model, max_batch: int, budget: ItlBudget,
                  observer: EngineObserver | None = None, step: Step = batched_decode_step,
@@ -198,7 +207,7 @@ class DecodeEngine:
             tickets = list(self._tickets)
             self._tickets.clear()
         for stream in ended:
-            stream.emit(None, None, EngineClosed("decode engine: closed"))
+            _emit(stream, None, None, EngineClosed("decode engine: closed"))
         for ticket in tickets:
             ticket.turn.allowance = UNBOUNDED
             ticket.granted.set()
@@ -232,7 +241,7 @@ class DecodeEngine:
             log.exception("decode step of %d streams failed", len(batch))
             self._leave(batch, batch)
             for stream in batch:
-                stream.emit(None, None, exc)
+                _emit(stream, None, None, exc)
             return
         took = self._clock() - began
         self.budget.observe_step(len(batch), took * 1e3)
@@ -251,7 +260,7 @@ class DecodeEngine:
                       else "length" if stream.remaining <= 0 else None)
             if finish is not None:
                 finished.append(stream)
-            stream.emit(token, finish, None)
+            _emit(stream, token, finish, None)
         if finished:
             self._leave(batch, finished)
 

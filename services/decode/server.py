@@ -3,14 +3,18 @@
 A call's life cycle:
 1. read the call and check it against this worker's limits, tokenize (INVALID_ARGUMENT naming the
    field);
-2. admit it (`admission`: beyond `max_concurrent + max_queue` calls, or `max_inflight_bytes` of
-   caches and buffers, RESOURCE_EXHAUSTED at once) and wait for a slot (at most `max_concurrent`
-   calls at once);
+2. admit it (`admission`: beyond `max_concurrent + max_batch + max_queue` calls, or `max_inflight_bytes` of
+   caches and buffers, RESOURCE_EXHAUSTED at once) and wait for a handoff slot (at most
+   `max_concurrent` handoffs at once);
 3-6. obtain the prompt's cache and first logits (`handoff`): negotiate with the least loaded
    prefill replica, receive the handoff, and learn from it; whenever the handoff fails, recompute
    the prompt here from its token ids (or fail fast, as set): never decode from a broken cache,
    and say so in the summary;
-7. decode `max_new_tokens` (greedy or seeded sampling), streaming each token;
+7. send the first token at once, then join the worker's decode engine (`rekv_core.engine`), which
+   decodes every joined request's next token in one batched step (at most `max_batch`; more wait
+   to join) with the request's own sampler (greedy or seeded), streaming each token; a cancel or
+   a deadline takes the request out of the batch (with `decode_path = per_request`, the request
+   decodes alone on a thread of its own, within its handoff slot, as before the engine);
 8. end the stream with the summary; a sampled lossy handoff's cache then goes to the quality
    canary (`canary`), which checks it in the background while this worker is idle.
 Each call is traced (`services.request_spans`) where tracing is on, as a child of the router's
@@ -22,6 +26,7 @@ then aborted, which drains whatever the prefill side still sends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -30,6 +35,7 @@ import grpc
 from rekv_core.model.sampling import Sampler
 from services import tls, wire_convert
 from services.calls import Completion, GenerateCall
+from rekv_core.engine import Stream
 from services.decode.canary import build_canary
 from services.decode.handoff import Handed, Handoffs
 from services.decode.connect_ahead import ConnectAhead
@@ -74,10 +80,13 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         failed = None
         try:
             with worker.admission.admit(worker.connector.memory(len(ids), call.max_new_tokens)):
-                async with self.slots:
+                async with contextlib.AsyncExitStack() as held:
+                    await held.enter_async_context(self.slots)
                     admission.end()
                     handed = await self.handoffs.run(call, ids, context.time_remaining(),
                                                      self.queue, trace)  # 3-6
+                    if worker.engine is not None:  # the batch bounds the decoding streams
+                        await held.aclose()
                     with worker.connector.load.generating():
                         async for response in self._generate(call, ids, handed, arrived,
                                                              trace):  # 7, 8
@@ -100,33 +109,74 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             metrics.queue.set(self.queue)
             trace.end(failed)
 
+    def _finish(self, call: GenerateCall, tokens: list[int]) -> str | None:
+        if call.stop_at_eos and tokens[-1] == self.worker.eos_token_id:
+            return "eos"
+        return "length" if len(tokens) >= call.max_new_tokens else None
+
+    async def _engine_tokens(self, call: GenerateCall, handed: Handed, sampler: Sampler,
+                             first: int):
+        """(token, finish) after `first`, from the worker's batched engine; the stream leaves the
+        batch when this generator closes (a cancel, a deadline, a client gone)."""
+        engine, loop = self.worker.engine, asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def emit(token, finish, error) -> None:  # the engine's thread
+            loop.call_soon_threadsafe(queue.put_nowait, (token, finish, error))
+
+        eos = self.worker.eos_token_id if call.stop_at_eos else None
+        stream = Stream(call.request_id, handed.cache, first, call.max_new_tokens - 1, sampler,
+                        emit, eos, last_token_at=engine.now())
+        engine.join(stream)
+        try:
+            while True:
+                token, finish, error = await queue.get()
+                if error is not None:
+                    raise error
+                yield token, finish
+                if finish is not None:
+                    return
+        finally:
+            engine.cancel(stream)
+
+    async def _own_tokens(self, call: GenerateCall, handed: Handed, sampler: Sampler,
+                          first: int):
+        """(token, finish) after `first`, decoded alone on a thread of this request's own
+        (`decode_path = per_request`, the comparison path)."""
+        step, tokens = self.worker.decoder(handed.cache), [first]
+        observe, last = self.metrics.engine.token_gap, time.perf_counter()
+        while True:
+            tokens.append(sampler(await asyncio.to_thread(step, tokens[-1])))
+            now = time.perf_counter()
+            observe(now - last)
+            last = now
+            finish = self._finish(call, tokens)
+            yield tokens[-1], finish
+            if finish is not None:
+                return
+
     async def _generate(self, call: GenerateCall, ids: list[int], handed: Handed,
                         arrived: float, trace: Trace):
         worker, tokenizer = self.worker, self.worker.tokenizer
         sampler = Sampler(call.sampling)
-        logits = handed.logits
-        tokens: list[int] = []
-        text_so_far, ttft, finish = "", None, "length"
-        span = trace.span("first_token")
-        step = worker.decoder(handed.cache)
-        while True:  # 7
-            token = sampler(logits)
-            tokens.append(token)
-            text = tokenizer.decode(tokens) if tokenizer else ""
-            piece, text_so_far = text[len(text_so_far):], text
-            if ttft is None:
-                ttft = time.perf_counter() - arrived
-                self.metrics.ttft.observe(ttft)
-                span.set(ttft_ms=ttft * 1e3)
-                span.end()
-                span = trace.span("decode")
-            yield wire_convert.token_response(token, piece)
-            if call.stop_at_eos and token == worker.eos_token_id:
-                finish = "eos"
-                break
-            if len(tokens) >= call.max_new_tokens:
-                break
-            logits = await asyncio.to_thread(step, token)
+        token = sampler(handed.logits)  # 7: the first token, at once, whatever the batch does
+        tokens = [token]
+        ttft = time.perf_counter() - arrived
+        self.metrics.ttft.observe(ttft)
+        with trace.span("first_token") as span:
+            span.set(ttft_ms=ttft * 1e3)
+        span = trace.span("decode")
+        text_so_far = tokenizer.decode(tokens) if tokenizer else ""
+        yield wire_convert.token_response(token, text_so_far)
+        finish = self._finish(call, tokens)
+        if finish is None:
+            more = (self._engine_tokens(call, handed, sampler, token) if worker.engine
+                    else self._own_tokens(call, handed, sampler, token))
+            async for token, finish in more:
+                tokens.append(token)
+                text = tokenizer.decode(tokens) if tokenizer else ""
+                piece, text_so_far = text[len(text_so_far):], text
+                yield wire_convert.token_response(token, piece)
         total = time.perf_counter() - arrived  # 8
         span.set(tokens=len(tokens), finish=finish)
         span.end()

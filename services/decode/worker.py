@@ -1,20 +1,27 @@
 """The decode worker: model, tokenizer, data-plane receiver and connector behind `Decode.Generate`.
 
 `admit(call)` applies this worker's limits and tokenizes; `quality(call)` is the call's quality
-setting, the deployment's (`settings.quality`) where the call sets none; `decoder(cache)` gives a
-request's decode step. Everything about a handoff (the offer, the receive, what is learned from it,
+setting, the deployment's (`settings.quality`) where the call sets none. The worker's decode
+engine (`engine`, `rekv_core.engine`) owns the model's decoding: requests join it as streams, and
+every compute of a handoff (suffix, token-only, fallback recompute) takes its turns there, sized
+to the ITL budget (`itl_budget_ms`, by default `ITL_BUDGET_FACTOR` x the single-stream step
+measured at start, before serving). With `decode_path = per_request` there is no engine:
+`decoder(cache)` gives a request's own decode step, for the comparison bench. Everything about a handoff (the offer, the receive, what is learned from it,
 the load it counts, the local recompute that replaces a failed one) is the connector's
 (`rekv_core.connector.DecodeConnector`). Thread-safe: the blocking methods run on worker threads.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from rekv_core.connector import DecodeConnector, DecodeOptions, Quality
+from rekv_core.engine import DecodeEngine, ItlBudget, default_budget_ms, measure_costs
 from rekv_core.model import KVCache, decode_steps
+from rekv_core.model.turns import UNLIMITED
 from rekv_core.transport import create_receiver
 from services import wire_convert
 from services.calls import GenerateCall
@@ -23,6 +30,8 @@ from services.metrics import ServiceMetrics
 from services.serving import Worker
 from services.settings import ServiceSettings
 
+log = logging.getLogger("rekv.decode")
+
 MAX_REQUEST_ID = 128  # characters
 
 
@@ -30,15 +39,30 @@ class DecodeWorker(Worker):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
         super().__init__(settings, metrics)
         self.receiver = create_receiver(settings.transport, self.transport_options())
+        self.engine = self._engine(settings, metrics)
         self.connector = DecodeConnector.for_model(
             self.model, self.receiver,
             DecodeOptions(settings.codecs, settings.boundary_chunk_tokens,
                           settings.handoff_timeout_s, settings.encrypt_data_plane,
                           settings.link_gbps, self.fingerprint.hex),
-            settings.profile, self.transfers)
+            settings.profile, self.transfers, turns=self.engine or UNLIMITED)
         metrics.link.set_function(lambda: self.connector.link_gbps)
         metrics.transport_pending.set_function(lambda: self.receiver.pending().total)
         metrics.connections.set_function(self.receiver.connections)
+
+    def _engine(self, settings: ServiceSettings, metrics: ServiceMetrics) -> DecodeEngine | None:
+        if settings.decode_path != "batched":
+            return None
+        step_ms, token_layer_ms = measure_costs(self.model)
+        budget_ms = settings.itl_budget_ms or default_budget_ms(step_ms)
+        log.info("decode engine: up to %d streams a step; ITL budget %.1f ms (%s); idle step "
+                 "%.1f ms, %.4f ms per token-layer of prefill work", settings.max_batch,
+                 budget_ms, "set" if settings.itl_budget_ms else "measured", step_ms,
+                 token_layer_ms)
+        engine = DecodeEngine(self.model, settings.max_batch,
+                              ItlBudget(budget_ms, step_ms, token_layer_ms), metrics.engine)
+        metrics.engine.watch(engine.running, engine.waiting, budget_ms / 1e3)
+        return engine.start()
 
     @property
     def eos_token_id(self) -> int | None:
@@ -84,5 +108,7 @@ class DecodeWorker(Worker):
         return decode_steps(self.model, cache)
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         self.connector.close()
         self.receiver.shutdown()
