@@ -15,6 +15,7 @@
 #   kernels    Triton kernels vs their references, large sizes -> kernels.json
 #   services   both services on the device over UCX            -> services_e2e.json (+ logs)
 #   executor   prefill TFLOP/s and decode step vs ceilings      -> executor.json
+#   batched    the engine's batched step, batch 1-64 at 1K, 8K  -> batched.json
 #   codecs     encode/decode GB/s incl. checksums vs copy rate  -> codecs.json
 #   ttft       TTFT (a)-(e): baseline, seed, streamed, chunked,  -> ttft.json
 #              colocated (issue 15), qwen2.5-7b preset at 8K
@@ -62,6 +63,7 @@ if ((DRY)); then
     export TRITON_INTERPRET=1
     DEVICE=cpu DTYPE=float32 PRESETS="smollm2-135m"
     KERNELS=(--dry-run) EXECUTOR=(--dry-run) SERVICES=(--dry-run) SUMMARY=(--dry-run)
+    BATCHED=(--dry-run)
     CODECS=(--prompt-len 128 --model smollm2-135m --repeats 2 --real-tokens 128 --real-windows 1
         --real-calibration 1)
     HANDOFF=(--prompt-len 64 --link-gbps 1,x1 --cuts 10,20 --warmups 0 --runs 1)
@@ -74,6 +76,7 @@ else
     DEVICE=cuda DTYPE=bfloat16 PRESETS="qwen2.5-7b qwen2.5-3b qwen3-8b"
     KERNELS=() EXECUTOR=(--model synthetic:qwen2.5-7b --prompt-len 8192 --contexts 1024,8192)
     SERVICES=() SUMMARY=()
+    BATCHED=(--model synthetic:qwen2.5-7b --contexts 1024,8192 --batches 1,4,16,64)
     CODECS=(--prompt-len 8192 --model qwen2.5-7b --model qwen2.5-3b --model qwen3-8b --repeats 10)
     # the seed's Table 1: 8K tokens at 18.4 Gb/s (2.3 GB/s), and this prompt's balanced rate
     HANDOFF=(--prompt-len 8192 --link-gbps 18.4,x1 --warmups 2 --runs 5)
@@ -93,6 +96,8 @@ step services 120 "$PYTHON" bench/gpu/services_e2e.py --device "$DEVICE" "${SERV
     --out "$OUT/services"
 step executor 90 "$PYTHON" bench/executor.py --device "$DEVICE" "${EXECUTOR[@]}" \
     --json "$OUT/executor.json"
+step batched 60 "$PYTHON" bench/batched_decode.py --device "$DEVICE" "${BATCHED[@]}" \
+    --json "$OUT/batched.json"
 step codecs 60 "$PYTHON" bench/codecs.py --device "$DEVICE" "${CODECS[@]}" \
     --json "$OUT/codecs.json"
 step ttft 120 "$PYTHON" -m rekv_cli bench ttft --device "$DEVICE" --dtype "$DTYPE" "${TTFT[@]}" \
