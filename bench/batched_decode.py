@@ -7,7 +7,8 @@
 
 For each context C and batch B: B caches of random values filled to C (as bench/executor.py's
 decode rows: a step's cost does not depend on the values), then --repeats times --steps
-consecutive `batched_decode_step`s of all B streams from C, each timed alone (device
+consecutive batched steps of all B streams from C (the engine's: `engine_step`, on the CPU with
+prepacked weights and subnormals flushed, unless --no-pack), each timed alone (device
 synchronized), after one untimed warm-up step. Reported: the median step, tokens/s (B / step), and
 the floor: one step reads every layer's weights once for the whole batch and each stream's K and V
 (`executor.weight_read_bytes` + B × `executor.kv_read_bytes`) at the copy rate measured in the same
@@ -33,6 +34,7 @@ from rekv_cli.bench.machine import cpu_model, machine_info  # noqa: E402
 from rekv_cli.bench.provenance import provenance  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model import Model, load_weights  # noqa: E402
+from rekv_core.engine import engine_step, prepare_engine_thread  # noqa: E402
 from rekv_core.model.batched import batched_decode_step  # noqa: E402
 from rekv_core.timing import synchronize  # noqa: E402
 
@@ -42,7 +44,7 @@ DEFAULTS = {"model": "synthetic:qwen2.5-7b", "contexts": "1024,8192", "batches":
             "steps": 16, "repeats": 3}
 
 
-def time_batch(model: Model, context: int, batch: int, steps: int, repeats: int,
+def time_batch(model: Model, step, context: int, batch: int, steps: int, repeats: int,
                copy_gbps: float) -> dict:
     caches = [random_cache(model, context, steps + 1) for _ in range(batch)]
     vocab, device = model.shape.vocab_size, model.device
@@ -55,7 +57,7 @@ def time_batch(model: Model, context: int, batch: int, steps: int, repeats: int,
             tokens = [(i * 7919 + 13 * b) % vocab for b in range(batch)]
             synchronize(device)
             began = time.perf_counter()
-            batched_decode_step(model, tokens, caches)
+            step(model, tokens, caches)
             synchronize(device)
             times.append(time.perf_counter() - began)
         return times
@@ -76,10 +78,13 @@ def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     ceilings = bandwidth_ceilings(device, args.repeats)
+    step = batched_decode_step if args.no_pack else engine_step(model)
+    if not args.no_pack:
+        prepare_engine_thread(model)  # as the engine's thread does
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            rows.append(time_batch(model, context, batch, args.steps, args.repeats,
+            rows.append(time_batch(model, step, context, batch, args.steps, args.repeats,
                                    ceilings["copy_gbps"]))
         block = rows[-len(args.batches):]
         single = block[0]  # the smallest batch (1 unless left out)
@@ -91,7 +96,8 @@ def run(args: argparse.Namespace) -> dict:
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else cpu_model()),
             "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
-            "dry_run": args.dry_run, "threads": torch.get_num_threads()}
+            "dry_run": args.dry_run, "threads": torch.get_num_threads(),
+            "packed_weights": step is not batched_decode_step}
     return {"meta": meta, "ceilings": ceilings, "rows": rows}
 
 
@@ -130,6 +136,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="steps timed per run (default 16)")
     parser.add_argument("--repeats", type=int, help="timed runs (default 3)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--no-pack", action="store_true",
+                        help="the step without prepacked CPU weights (model.packed)")
     parser.add_argument("--dry-run", action="store_true", help=f"tiny sizes: {DRY_RUN}")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)

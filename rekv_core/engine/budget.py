@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -92,10 +93,13 @@ def _median_ms(run, repeats: int = MEASURE_REPEATS) -> float:
 
 
 @torch.inference_mode()
-def measure_costs(model: Model) -> tuple[float, float]:
-    """(idle single-stream step ms, ms per token-layer of prefill-like work) on this worker now."""
+def measure_costs(model: Model, step: Callable | None = None) -> tuple[float, float]:
+    """(idle single-stream step ms, ms per token-layer of prefill-like work) on this worker now;
+    `step`: the engine's batched step (`batched_decode_step` by default)."""
     from rekv_core.model.batched import batched_decode_step
     from rekv_core.model.executor import run_layers_chunk
+
+    batched = step or batched_decode_step
 
     shape = model.shape
     layers = min(MEASURE_LAYERS, shape.num_layers)
@@ -103,9 +107,9 @@ def measure_costs(model: Model) -> tuple[float, float]:
                     max(EXEC_BLOCK, MEASURE_CONTEXT + MEASURE_REPEATS + 1), model.dtype,
                     model.device)
 
-    def step() -> None:
+    def one_step() -> None:
         cache.length = MEASURE_CONTEXT
-        batched_decode_step(model, [0], [cache])
+        batched(model, [0], [cache])
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
 
@@ -116,8 +120,8 @@ def measure_costs(model: Model) -> tuple[float, float]:
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
 
-    step()  # warm-up
-    step_ms = _median_ms(step)
+    one_step()  # warm-up
+    step_ms = _median_ms(one_step)
     chunk()
     piece_ms = _median_ms(chunk)
     return step_ms, piece_ms / (EXEC_BLOCK * layers)

@@ -82,8 +82,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+Linear = Callable[..., torch.Tensor]  # (x, weight, bias=None) -> x @ weight.T + bias
+
+
 def project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, linear: Linear = linear
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     shape = model.shape
     s = x.shape[0]
     q, k, v = linear(x, lw.wqkv, lw.bqkv).split([shape.q_size, shape.kv_size, shape.kv_size],
@@ -100,7 +104,7 @@ def project_qkv(model: Model, lw: LayerWeights, x: torch.Tensor, cos: torch.Tens
     return q, k, v
 
 
-def mlp(lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+def mlp(lw: LayerWeights, x: torch.Tensor, linear: Linear = linear) -> torch.Tensor:
     gate, up = linear(x, lw.w_gate_up).chunk(2, dim=-1)
     return linear(F.silu(gate) * up, lw.w_down)
 
@@ -140,7 +144,8 @@ def layer_forward(model: Model, index: int, h: torch.Tensor, cos: torch.Tensor,
     return h, k, v
 
 
-def final_logits(model: Model, h_last: torch.Tensor) -> torch.Tensor:
+def final_logits(model: Model, h_last: torch.Tensor, linear: Linear = F.linear
+                 ) -> torch.Tensor:
     """Logits (float32) from final residual states: `[d]` -> `[vocab]`, `[n, d]` -> `[n, vocab]`."""
     w = model.weights
-    return F.linear(rms_norm(h_last, w.final_norm, model.shape.rms_eps), w.lm_head).float()
+    return linear(rms_norm(h_last, w.final_norm, model.shape.rms_eps), w.lm_head).float()

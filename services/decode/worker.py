@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from rekv_core.connector import DecodeConnector, DecodeOptions, Quality
-from rekv_core.engine import DecodeEngine, ItlBudget, default_budget_ms, measure_costs
+from rekv_core.engine import (DecodeEngine, ItlBudget, default_budget_ms, engine_step,
+                              measure_costs)
 from rekv_core.model import KVCache, decode_steps
 from rekv_core.model.turns import UNLIMITED
 from rekv_core.transport import create_receiver
@@ -53,14 +54,16 @@ class DecodeWorker(Worker):
     def _engine(self, settings: ServiceSettings, metrics: ServiceMetrics) -> DecodeEngine | None:
         if settings.decode_path != "batched":
             return None
-        step_ms, token_layer_ms = measure_costs(self.model)
+        step = engine_step(self.model)
+        step_ms, token_layer_ms = measure_costs(self.model, step)
         budget_ms = settings.itl_budget_ms or default_budget_ms(step_ms)
         log.info("decode engine: up to %d streams a step; ITL budget %.1f ms (%s); idle step "
                  "%.1f ms, %.4f ms per token-layer of prefill work", settings.max_batch,
                  budget_ms, "set" if settings.itl_budget_ms else "measured", step_ms,
                  token_layer_ms)
         engine = DecodeEngine(self.model, settings.max_batch,
-                              ItlBudget(budget_ms, step_ms, token_layer_ms), metrics.engine)
+                              ItlBudget(budget_ms, step_ms, token_layer_ms), metrics.engine,
+                              step)
         metrics.engine.watch(engine.running, engine.waiting, budget_ms / 1e3)
         return engine.start()
 
