@@ -20,9 +20,10 @@ A stream therefore waits, between two tokens, for one batched step and at most o
 engine learns step and piece costs from what it runs (`ItlBudget.observe_*`), and reports each
 step, each inter-token gap and each turn to its `EngineObserver` (the service's metrics). A step
 that raises ends every stream of that batch with the error (`emit(None, None, error)`): never a
-silent drop. `close()` ends the loop; streams still running end with `EngineClosed`, and turns
-asked for afterwards are granted at once, unbounded. `clock` and `step` are injectable, so a test
-can run the loop against a fake clock and a fake step cost.
+silent drop; so does an error of the loop itself, for every stream. `close()` ends the loop;
+streams still running end with `EngineClosed`, and turns asked for afterwards are granted at
+once, unbounded. `clock` and `step` are injectable, so a test can run the loop against a fake
+clock and a fake step cost.
 """
 
 from __future__ import annotations
@@ -220,14 +221,19 @@ class DecodeEngine:
             self._cond.notify_all()
         if self._thread.is_alive():
             self._thread.join()
+        self._end_all(EngineClosed("decode engine: closed"))
+
+    def _end_all(self, error: BaseException) -> None:
+        """Every stream still here ends with `error`; every turn asked for is granted, unbounded."""
         with self._cond:
+            self._closed = True
             ended = list(self._joining) + self._running
             self._joining.clear()
             self._running = []
             tickets = list(self._tickets)
             self._tickets.clear()
         for stream in ended:
-            _emit(stream, None, None, EngineClosed("decode engine: closed"))
+            _emit(stream, None, None, error)
         for ticket in tickets:
             ticket.turn.allowance = UNBOUNDED
             ticket.granted.set()
@@ -236,6 +242,13 @@ class DecodeEngine:
 
     def _run(self) -> None:
         prepare_engine_thread(self.model)
+        try:
+            self._loop()
+        except BaseException as exc:  # a broken loop ends every stream with its error, never hangs
+            log.exception("decode engine: the loop failed; ending every stream")
+            self._end_all(exc)
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not (self._joining or self._running
