@@ -16,7 +16,10 @@ the order the planner predicts less for, layer or token order; the table counts 
 - `planner`: no forced action, the planner chooses from the loads both workers report.
 
 Reported per mode: completed requests per second of the mode's wall time, TTFT p50/p95 (the decode
-service's `ttft_ms`), the prefill's compute per request, and for the planner the cuts it chose.
+service's `ttft_ms`), the inter-token latency p50/p99/max the client saw (gaps between token
+messages; with `--max-new-tokens` > 1) beside the decode engine's ITL budget (its
+`rekv_itl_budget_seconds`), the prefill's compute per request, and for the planner the cuts it
+chose.
 Modes run in a shuffled order per round after one warm-up request each; the figures are medians
 over rounds. The pool that does most of a request's layers bounds the rate at about
 1 / (max(c, L − c) · γ), so the rate peaks near c = L/2 and the decode side's extra work stops
@@ -28,9 +31,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import re
 import statistics
 import sys
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -62,6 +67,18 @@ def modes(only: str | None = None) -> list[tuple[str, int | None]]:
     return [(label, cut) for label, cut in every if label in names]
 
 
+def _itl_budget_ms(pair: ServicePair) -> float:
+    url = f"http://{pair.decode.info['metrics']}/metrics"
+    with urllib.request.urlopen(url) as response:
+        text = response.read().decode()
+    found = re.search(r"^rekv_itl_budget_seconds (\S+)$", text, re.M)
+    return float(found.group(1)) * 1e3 if found else 0.0
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
 def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> dict:
     forced = None if cut is None else ("bf16", cut)
     generate(channel, f"{label}-warmup", prompt, args.max_new_tokens, forced_action=forced,
@@ -69,16 +86,20 @@ def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> d
 
     def one(index: int):
         return generate(channel, f"{label}-{index}", prompt, args.max_new_tokens,
-                        forced_action=forced, stop_at_eos=False).summary
+                        forced_action=forced, stop_at_eos=False)
 
     started = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
-        summaries = list(pool.map(one, range(args.requests)))
+        generations = list(pool.map(one, range(args.requests)))
     wall = time.perf_counter() - started
+    summaries = [g.summary for g in generations]
     ttft = sorted(s.ttft_ms for s in summaries)
+    gaps = sorted(gap * 1e3 for g in generations for gap in g.token_gaps())
     return {"mode": label, "requests_per_s": len(summaries) / wall, "wall_s": wall,
             "ttft_p50_ms": statistics.median(ttft),
-            "ttft_p95_ms": ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))],
+            "ttft_p95_ms": _quantile(ttft, 0.95),
+            "itl_p50_ms": _quantile(gaps, 0.5), "itl_p99_ms": _quantile(gaps, 0.99),
+            "itl_max_ms": gaps[-1] if gaps else 0.0,
             "prefill_ms_per_request": statistics.median(s.timings.prefill_ms for s in summaries),
             "cuts": sorted(s.action.cut for s in summaries),
             "pipelined": sum(s.schedule.pipelined for s in summaries),
@@ -111,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                        decode_prefix=["taskset", "-c", "1"] if pinned else [])
     rounds: list[list[dict]] = []
     try:
+        budget_ms = _itl_budget_ms(pair)
         with grpc.insecure_channel(pair.decode_address) as channel:
             for round_ in range(args.rounds):
                 order = modes(args.modes)
@@ -123,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(rounds, modes(args.modes))
     results = {"meta": {**started, "machine": cpu_model(), "cores": os.cpu_count(),
                         "pinned": pinned, "model": DEFAULT_MODEL, "num_layers": L,
+                        "itl_budget_ms": budget_ms,
                         "command": "python bench/throughput.py " + " ".join(sys.argv[1:]),
                         **{k: v for k, v in vars(args).items() if k not in ("json", "markdown")}},
                "rows": rows, "rounds": rounds, "exit_codes": codes}
@@ -141,7 +164,8 @@ def summarize(rounds: list[list[dict]], ran: list[tuple[str, int | None]]) -> li
     for label, _ in ran:
         runs = [r for round_ in rounds for r in round_ if r["mode"].endswith(f"-{label}")]
         rows.append({"mode": label, **{key: statistics.median(r[key] for r in runs) for key in (
-            "requests_per_s", "ttft_p50_ms", "ttft_p95_ms", "prefill_ms_per_request")},
+            "requests_per_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p99_ms",
+            "itl_max_ms", "prefill_ms_per_request")},
             "cuts": sorted(c for r in runs for c in r["cuts"]),
             "pipelined": sum(r.get("pipelined", 0) for r in runs),
             "requests": sum(len(r["cuts"]) for r in runs),
@@ -155,13 +179,15 @@ def summarize(rounds: list[list[dict]], ran: list[tuple[str, int | None]]) -> li
 def markdown(results: dict) -> str:
     meta = results["meta"]
     lines = [f"# Throughput by cut ({meta['model']}, {meta['prompt_tokens']}-token prompts, "
-             f"{meta['concurrency']} at a time)", "",
+             f"{meta['concurrency']} at a time, {meta['max_new_tokens']} new tokens each)", "",
              f"Machine: {meta['machine']}, {meta['cores']} cores (services pinned: "
-             f"{meta['pinned']}); commit {meta['commit']};",
+             f"{meta['pinned']}); commit {meta['commit']} (clean tree: "
+             f"{meta.get('tree_clean', '?')}); decode ITL budget "
+             f"{meta.get('itl_budget_ms', 0):.0f} ms;",
              f"`{meta['command']}`", "",
-             "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms "
-             "| prefill ms/request | pipelined | cuts chosen |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| mode | requests/s | × full prefill | TTFT p50 ms | TTFT p95 ms | ITL p50 ms "
+             "| ITL p99 ms | ITL max ms | prefill ms/request | pipelined | cuts chosen |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["rows"]:
         cuts = ""
         if r["mode"] == "planner":
@@ -169,6 +195,8 @@ def markdown(results: dict) -> str:
             cuts = ", ".join(f"{c}: {n}" for c, n in counts.items())
         lines.append(f"| {r['mode']} | {r['requests_per_s']:.2f} | {r['vs_full_prefill']:.2f} | "
                      f"{r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | "
+                     f"{r.get('itl_p50_ms', 0):.0f} | {r.get('itl_p99_ms', 0):.0f} | "
+                     f"{r.get('itl_max_ms', 0):.0f} | "
                      f"{r['prefill_ms_per_request']:.0f} | "
                      f"{r.get('pipelined', 0)} of {r.get('requests', len(r['cuts']))} | {cuts} |")
     return "\n".join(lines) + "\n"

@@ -1,15 +1,17 @@
 """A router's view of rekv: call `Decode.Generate` and collect the stream.
 
 `generate(channel, request_id, prompt, max_new_tokens, ...)` returns a `Generation` with the new
-token ids, their text and the summary; gRPC errors propagate as `grpc.RpcError`. `quality`:
+token ids, their text, the summary and when each message with tokens arrived (`arrivals`,
+`time.perf_counter()`: the inter-token latency a router sees); gRPC errors propagate as `grpc.RpcError`. `quality`:
 "lossless" (greedy output equals the single-process reference's), "gated" (also the lossy actions
 the quality gate passed) or None (the deployment's default); the summary says which applied.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -22,6 +24,11 @@ class Generation:
     text: str
     summary: rekv_pb2.Summary
     messages: int
+    arrivals: list[float] = field(default_factory=list)  # perf_counter of each token message
+
+    def token_gaps(self) -> list[float]:
+        """Seconds between consecutive token messages (the inter-token latencies seen here)."""
+        return [b - a for a, b in zip(self.arrivals, self.arrivals[1:])]
 
 
 def generate_request(request_id: str, prompt: str | Sequence[int], max_new_tokens: int,
@@ -63,13 +70,15 @@ def generate(channel: grpc.Channel, request_id: str, prompt: str | Sequence[int]
     stub = rekv_pb2_grpc.DecodeStub(channel)
     request = generate_request(request_id, prompt, max_new_tokens, forced_action, sampling,
                                stop_at_eos, forced_schedule, quality)
-    tokens, pieces, summary, count = [], [], None, 0
+    tokens, pieces, summary, count, arrivals = [], [], None, 0, []
     for response in stub.Generate(request, timeout=timeout, metadata=metadata):
         count += 1
+        if response.token_ids:
+            arrivals.append(time.perf_counter())
         tokens.extend(response.token_ids)
         pieces.append(response.text)
         if response.HasField("summary"):
             summary = response.summary
     if summary is None:
         raise RuntimeError(f"request {request_id}: the stream ended without a summary")
-    return Generation(tokens, "".join(pieces), summary, count)
+    return Generation(tokens, "".join(pieces), summary, count, arrivals)
