@@ -34,6 +34,12 @@ range, the OTEL_* variables of tracing (tracing.endpoint set); context (dict "ro
   value: {{ int $c.canaryWindow | quote }}
 - name: REKV_CANARY_CONTINUATION
   value: {{ int $c.canaryContinuation | quote }}
+- name: REKV_MAX_BATCH
+  value: {{ int $c.maxBatch | quote }}
+- name: REKV_ITL_BUDGET_MS
+  value: {{ toString $c.itlBudgetMs | quote }}
+- name: REKV_DECODE_PATH
+  value: {{ toString $c.decodePath | quote }}
 {{- end }}
 - name: REKV_MODEL
   value: {{ include "rekv.modelPath" .root | quote }}
