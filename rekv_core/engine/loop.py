@@ -101,6 +101,7 @@ class Stream:
 
 @dataclass(eq=False)
 class _Ticket:
+    context: int = 0  # the keys the piece's rows attend to on average
     turn: Turn = field(default_factory=lambda: Turn(allowance=0))
     granted: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
@@ -199,9 +200,9 @@ class DecodeEngine:
             return not (self._running or self._joining or self._tickets or self._turning)
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[Turn]:
+    def turn(self, context: int = 0) -> Iterator[Turn]:
         """A turn of prefill-like work (`model.turns.ComputeTurns`): waits until granted."""
-        ticket = _Ticket()
+        ticket = _Ticket(context)
         with self._cond:
             if self._closed:
                 ticket.turn.allowance = UNBOUNDED
@@ -307,12 +308,12 @@ class DecodeEngine:
         with self._cond:
             batch = len(self._running) + min(len(self._joining),
                                              self.max_batch - len(self._running))
-        ticket.turn.allowance = self.budget.allowance(batch)
+        ticket.turn.allowance = self.budget.allowance(batch, ticket.context)
         began = self._clock()
         ticket.granted.set()
         ticket.released.wait()
         took = self._clock() - began
         with self._cond:
             self._turning = False
-        self.budget.observe_piece(ticket.turn.spent, took * 1e3)
+        self.budget.observe_piece(ticket.turn.spent, took * 1e3, ticket.context)
         self.observer.turned(ticket.turn.spent, took, batch)

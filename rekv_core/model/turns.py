@@ -40,12 +40,14 @@ class Turn:
 
 
 class ComputeTurns(Protocol):
-    def turn(self) -> contextlib.AbstractContextManager[Turn]: ...
+    def turn(self, context: int = 0) -> contextlib.AbstractContextManager[Turn]:
+        """`context`: the keys the piece's rows attend to on average, which its cost grows
+        with."""
 
 
 class _Unlimited:
     @contextlib.contextmanager
-    def turn(self) -> Iterator[Turn]:
+    def turn(self, context: int = 0) -> Iterator[Turn]:
         yield Turn(allowance=1 << 62)
 
 
@@ -74,7 +76,8 @@ def run_layers_in_turns(model: Model, h: torch.Tensor, start: int, stop: int, po
     while row < n:  # a run of rows through every layer, in one or more pieces
         rows, layer, part = 0, start, h[row:]
         while layer < stop:
-            with turns.turn() as turn:
+            # the keys the rows would attend to on average, if the piece took all that are left
+            with turns.turn(pos + row + (n - row if not rows else rows) // 2) as turn:
                 if not rows:
                     rows, layers = piece(n - row, stop - layer, turn.allowance)
                     part = part[:rows]
@@ -118,8 +121,8 @@ class TimedTurns:
         self.compute_s = 0.0
 
     @contextlib.contextmanager
-    def turn(self) -> Iterator[Turn]:
-        with self.turns.turn() as turn:
+    def turn(self, context: int = 0) -> Iterator[Turn]:
+        with self.turns.turn(context) as turn:
             began = time.perf_counter()
             if self.computing:
                 self.computing(True)

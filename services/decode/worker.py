@@ -55,14 +55,15 @@ class DecodeWorker(Worker):
         if settings.decode_path != "batched":
             return None
         step = engine_step(self.model)
-        step_ms, token_layer_ms = measure_costs(self.model, step)
+        step_ms, token_layer_ms, per_key_ms = measure_costs(self.model, step)
         budget_ms = settings.itl_budget_ms or default_budget_ms(step_ms)
         log.info("decode engine: up to %d streams a step; ITL budget %.1f ms (%s); idle step "
-                 "%.1f ms, %.4f ms per token-layer of prefill work", settings.max_batch,
-                 budget_ms, "set" if settings.itl_budget_ms else "measured", step_ms,
-                 token_layer_ms)
+                 "%.1f ms, %.4f ms per token-layer of prefill work (+%.6f per key attended)",
+                 settings.max_batch, budget_ms, "set" if settings.itl_budget_ms else "measured",
+                 step_ms, token_layer_ms, per_key_ms)
         engine = DecodeEngine(self.model, settings.max_batch,
-                              ItlBudget(budget_ms, step_ms, token_layer_ms), metrics.engine,
+                              ItlBudget(budget_ms, step_ms, token_layer_ms, per_key_ms),
+                              metrics.engine,
                               step)
         metrics.engine.watch(engine.running, engine.waiting, budget_ms / 1e3)
         return engine.start()

@@ -1,0 +1,304 @@
+"""The decode engine against the per-request path: tokens/s and inter-token latency by concurrent
+streams, and what a handoff computing on the decode worker costs the streams running there.
+
+    python bench/decode_engine.py [--streams 1,4,8,16,32] [--new-tokens 48] [--prompt-tokens 64]
+        [--prompts 1024,2048] [--long-tokens 200] [--handoffs 2] [--rounds 1] [--seed 0]
+        [--dtype float32] [--quick] [--json FILE] [--markdown FILE]
+
+Two service pairs run side by side for the whole run, one per decode path (`--decode-path
+batched`, the engine; `per_request`, each request decoding alone on a thread of its own, as
+before the engine), each prefill service pinned to core 0 and each decode service to core 1 with
+one torch thread (`taskset`, with two cores or more), on loopback, the embedded model; the decode
+services' UCX thread at `--ucx-loop-nice` 0 (at the default 19 it gets almost none of a core that
+decoding keeps busy, and a handoff then waits seconds for its messages). Only one
+case runs at a time; the cases of both parts run in one shuffled order (`--seed`).
+
+1. Streams: N concurrent `Generate` calls (N in `--streams`), each a prompt of `--prompt-tokens`
+   random ids and `--new-tokens` tokens, the whole cache sent (BF16 at cut L: nothing computes on
+   the decode worker but decoding). Decode tokens/s: the tokens that arrived while every stream
+   ran (from the last stream's first token to the first stream's last; the handoffs before them
+   are serialized, so streams start apart), over that window; ITL: the gaps between a stream's
+   token messages as the client receives them, p50/p99 over all streams. The ceiling: N × the
+   single-stream rate of the per-request path (one step reads the weights once for the whole
+   batch, so a batch of N could at best run N streams at one stream's pace).
+2. Interference: one long stream (up to `--long-tokens`, cancelled two tokens after the handoffs
+   end) decodes; after its 5th token, `--handoffs`
+   requests arrive one after the other, each a prompt of S tokens (S in `--prompts`) whose handoff
+   computes on the decode worker (token-only: cut 0; BF16 recompute at L/2) or not (BF16
+   transfer, cut L). Reported: the long stream's ITL p50/p99/max while they ran (from the first's
+   call to the last's end), the decode engine's ITL budget (its `rekv_itl_budget_seconds`), and
+   the new requests' TTFT (what chunking their compute costs them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from rekv_cli.bench.machine import cpu_model  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.client import generate, generate_request  # noqa: E402
+from rekv_cli.launcher import ServicePair  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
+from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
+from services.rpc import rekv_pb2_grpc  # noqa: E402
+
+L = get_preset(DEFAULT_MODEL).num_layers
+PATHS = ("batched", "per_request")
+KINDS = {"token_only": ("bf16", 0), "recompute_half": ("bf16", L // 2), "transfer": ("bf16", L)}
+QUICK = {"streams": "1,2", "new_tokens": 6, "prompt_tokens": 32, "prompts": "300",
+         "long_tokens": 200, "handoffs": 1}
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))] if ordered else 0.0
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1000, 40000) for _ in range(n)]
+
+
+def _at_once(calls) -> list:
+    results, errors = [None] * len(calls), []
+    start = threading.Barrier(len(calls))
+
+    def run(index, call):
+        try:
+            start.wait()
+            results[index] = call()
+        except Exception as exc:  # raised below: a bench never hides a failed request
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def streams_case(channel, path: str, n: int, args, rng: random.Random, tag: str) -> dict:
+    prompts = [_prompt(rng, args.prompt_tokens) for _ in range(n)]
+    gens = _at_once([(lambda i=i: generate(channel, f"{tag}-{i}", prompts[i], args.new_tokens,
+                                           forced_action=KINDS["transfer"], stop_at_eos=False,
+                                           timeout=1800)) for i in range(n)])
+    # the window in which every stream runs: from the last stream's first token (the handoffs
+    # are serialized, so streams start apart) to the first stream's last
+    start = max(g.arrivals[0] for g in gens)
+    end = min(g.arrivals[-1] for g in gens)
+    inside = sum(start < a <= end for g in gens for a in g.arrivals)
+    if end <= start or inside < n:
+        raise RuntimeError(f"{tag}: the {n} streams never all ran at once; raise --new-tokens")
+    gaps = [gap * 1e3 for g in gens for gap in g.token_gaps()]
+    return {"part": "streams", "path": path, "streams": n, "window_tokens": inside,
+            "window_s": end - start, "tokens_per_s": inside / (end - start),
+            "itl_p50_ms": quantile(gaps, 0.5), "itl_p99_ms": quantile(gaps, 0.99),
+            "itl_max_ms": max(gaps)}
+
+
+def interference_case(channel, path: str, kind: str, seq_len: int, args, rng: random.Random,
+                      tag: str) -> dict:
+    stub = rekv_pb2_grpc.DecodeStub(channel)
+    call = stub.Generate(generate_request(f"{tag}-long", _prompt(rng, args.prompt_tokens),
+                                          args.long_tokens, KINDS["transfer"], stop_at_eos=False),
+                         timeout=1800)
+    arrivals: list[float] = []
+    window: list[float] = []
+    ttfts: list[float] = []
+
+    def handoffs() -> None:
+        window.append(time.perf_counter())
+        for i in range(args.handoffs):
+            g = generate(channel, f"{tag}-new-{i}", _prompt(rng, seq_len), 2,
+                         forced_action=KINDS[kind], stop_at_eos=False, timeout=1800)
+            ttfts.append(g.summary.ttft_ms)
+        window.append(time.perf_counter())
+
+    sender = threading.Thread(target=handoffs)
+    for response in call:
+        if response.token_ids:
+            arrivals.append(time.perf_counter())
+            if len(arrivals) == 5:
+                sender.start()
+            if len(window) == 2 and sum(a > window[1] for a in arrivals) >= 2:
+                call.cancel()  # the handoffs are done: the rest would measure nothing
+                break
+    sender.join()
+    if len(window) < 2 or arrivals[-1] < window[1]:
+        raise RuntimeError(f"{tag}: the long stream ended before the handoffs did; raise "
+                           f"--long-tokens")
+    gaps = [(b - a) * 1e3 for a, b in zip(arrivals, arrivals[1:]) if b >= window[0]
+            and a <= window[1]]
+    return {"part": "interference", "path": path, "kind": kind, "prompt_tokens": seq_len,
+            "handoffs": args.handoffs, "itl_p50_ms": quantile(gaps, 0.5),
+            "itl_p99_ms": quantile(gaps, 0.99), "itl_max_ms": max(gaps), "gaps": len(gaps),
+            "ttft_ms": statistics.median(ttfts)}
+
+
+def itl_budget_ms(pair: ServicePair) -> float:
+    with urllib.request.urlopen(pair.metrics_url("decode")) as response:
+        text = response.read().decode()
+    found = re.search(r"^rekv_itl_budget_seconds (\S+)$", text, re.M)
+    return float(found.group(1)) * 1e3 if found else 0.0
+
+
+def start_pairs(args, log_dir: Path) -> dict[str, ServicePair]:
+    pinned = (os.cpu_count() or 1) >= 2
+    common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-prompt-tokens", "4096"]
+    pairs = {}
+    try:
+        for path in PATHS:
+            decode = [*common, "--decode-path", path, "--max-batch", "32", "--max-concurrent",
+                      "64" if path == "per_request" else "4", "--ucx-loop-nice",
+                      str(args.ucx_loop_nice)]
+            pairs[path] = ServicePair(common, decode, log_dir=log_dir / path,
+                                      prefill_prefix=["taskset", "-c", "0"] if pinned else [],
+                                      decode_prefix=["taskset", "-c", "1"] if pinned else [])
+    except BaseException:
+        for pair in pairs.values():
+            pair.stop()
+        raise
+    return pairs
+
+
+def summarize(rows: list[dict]) -> None:
+    """Adds to each streams row its ceiling (N × the per-request single-stream rate of its round)
+    and its ratio to the per-request single stream."""
+    for row in rows:
+        if row["part"] != "streams":
+            continue
+        single = next(r for r in rows if r["part"] == "streams" and r["path"] == "per_request"
+                      and r["streams"] == 1 and r["round"] == row["round"])
+        row["ceiling_tokens_per_s"] = row["streams"] * single["tokens_per_s"]
+        row["x_single_stream"] = row["tokens_per_s"] / single["tokens_per_s"]
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# The decode engine ({m['model']}, {m['dtype']}, one core per service)", "",
+             f"Machine: {m['machine']}, {m['cores']} cores (pinned: {m['pinned']}); commit "
+             f"{m['commit']} (clean tree: {m['tree_clean']}); ITL budget of the engine: "
+             f"{m['itl_budget_ms']:.0f} ms;", f"`{m['command']}`", "",
+             "## 1. Concurrent streams", "",
+             "| path | streams | tokens/s | ceiling N × single | × single stream | ITL p50 ms "
+             "| ITL p99 ms | ITL max ms |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in result["rows"] if r["part"] == "streams"),
+                    key=lambda r: (r["round"], r["path"], r["streams"])):
+        lines.append(f"| {r['path']} | {r['streams']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['ceiling_tokens_per_s']:.1f} | {r['x_single_stream']:.2f} | "
+                     f"{r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | {r['itl_max_ms']:.0f} |")
+    lines += ["", "## 2. A long stream while handoffs arrive", "",
+              "| path | handoff | prompt | ITL p50 ms | ITL p99 ms | ITL max ms | new TTFT ms |",
+              "|---|---|---|---|---|---|---|"]
+    for r in sorted((r for r in result["rows"] if r["part"] == "interference"),
+                    key=lambda r: (r["round"], r["prompt_tokens"], r["kind"], r["path"])):
+        lines.append(f"| {r['path']} | {r['kind']} | {r['prompt_tokens']} | "
+                     f"{r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | {r['itl_max_ms']:.0f} | "
+                     f"{r['ttft_ms']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def cases(args) -> list[tuple]:
+    every = [("streams", path, n) for path in PATHS for n in args.streams]
+    kinds = ("token_only", "transfer") if args.quick else tuple(KINDS)
+    every += [("interference", path, kind, s) for path in PATHS for kind in kinds
+              for s in args.prompts]
+    return every
+
+
+def run(args) -> dict:
+    started = provenance()
+    rng = random.Random(args.seed)
+    rows = []
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="rekv-decode-engine-"))
+    pairs = start_pairs(args, log_dir)
+    try:
+        budget = itl_budget_ms(pairs["batched"])
+        channels = {p: grpc.insecure_channel(pair.decode_address) for p, pair in pairs.items()}
+        for round_ in range(args.rounds):
+            order = cases(args)
+            rng.shuffle(order)
+            for index, case in enumerate(order):
+                tag = f"r{round_}-{index}"
+                if case[0] == "streams":
+                    row = streams_case(channels[case[1]], case[1], case[2], args, rng, tag)
+                else:
+                    row = interference_case(channels[case[1]], *case[1:], args, rng, tag)
+                rows.append({**row, "round": round_, "order": index})
+                print(f"{tag} {case}: done", file=sys.stderr)
+        for channel in channels.values():
+            channel.close()
+    finally:
+        codes = {path: pair.stop() for path, pair in pairs.items()}
+    summarize(rows)
+    meta = {**started, "machine": cpu_model(), "cores": os.cpu_count(),
+            "pinned": (os.cpu_count() or 1) >= 2, "model": DEFAULT_MODEL, "itl_budget_ms": budget,
+            "command": "python bench/decode_engine.py " + " ".join(sys.argv[1:]),
+            **{k: v for k, v in vars(args).items() if k not in ("json", "markdown", "log_dir")}}
+    return {"meta": meta, "rows": rows, "exit_codes": codes}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", default="1,4,8,16,32")
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default="1024,2048", help="interference prompt lengths")
+    parser.add_argument("--long-tokens", type=int, default=500)
+    parser.add_argument("--handoffs", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--ucx-loop-nice", type=int, default=0,
+                        help="the decode services' (the default, 19, starves the data plane of "
+                             "a core the engine keeps busy)")
+    parser.add_argument("--quick", action="store_true", help=f"tiny: {QUICK}")
+    parser.add_argument("--log-dir")
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--markdown", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    try:
+        args.streams = sorted({int(v) for v in str(args.streams).split(",")} | {1})
+        args.prompts = [int(v) for v in str(args.prompts).split(",")]
+    except ValueError:
+        parser.error("--streams, --prompts: comma-separated integers")
+    for name in ("new_tokens", "prompt_tokens", "long_tokens", "handoffs", "rounds"):
+        if getattr(args, name) < 1 or min(args.streams) < 1 or min(args.prompts) < 1:
+            parser.error(f"--{name.replace('_', '-')}: must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    table = markdown(result)
+    print(table)
+    write_json(args.json, result, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    codes = [c for pair in result["exit_codes"].values() for c in pair.values()]
+    return 0 if all(code == 0 for code in codes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
