@@ -175,7 +175,8 @@ def handoff_request(call: HandoffCall):
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
             accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens,
-            model_fingerprint=offer.fingerprint))
+            model_fingerprint=offer.fingerprint, running_batch=offer.running_batch,
+            itl_budget_ms=offer.itl_budget_ms, decode_step_ms=offer.decode_step_ms))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
     if call.forced_delivery is not None:
@@ -239,7 +240,10 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers),
-                          fingerprint=offer.model_fingerprint))
+                          fingerprint=offer.model_fingerprint,
+                          running_batch=offer.running_batch,
+                          itl_budget_ms=_amount(offer.itl_budget_ms, "offer.itl_budget_ms"),
+                          decode_step_ms=_amount(offer.decode_step_ms, "offer.decode_step_ms")))
 
 
 def _check_fingerprint(fingerprint: str) -> None:

@@ -35,11 +35,13 @@ named.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from rekv_core.connector.calls import DecodeOffer, HandoffReply
+from rekv_core.engine import EngineState
 from rekv_core.handoff import (HandoffPlan, HandoffResult, Receiving, Sealing,
                                receive_handoff)
 from rekv_core.handoff.recovery import FULL, Recovery, Salvage, recompute_lost, recovery
@@ -99,9 +101,11 @@ class Learned:
 class DecodeConnector:
     def __init__(self, model: Model, calibration: DecodeCalibration,
                  receiver: TransportReceiver, options: DecodeOptions,
-                 transfers: TransferBook | None = None, turns: ComputeTurns = UNLIMITED):
+                 transfers: TransferBook | None = None, turns: ComputeTurns = UNLIMITED,
+                 engine_state: Callable[[], EngineState] | None = None):
         self.model, self.shape = model, model.shape
         self.turns = turns  # where this worker's prefill-like compute takes its turns
+        self.engine_state = engine_state  # its decode engine's batch and budget, if it has one
         self.calibration, self.receiver, self.options = calibration, receiver, options
         self.load = DecodeLoad(transfers or TransferBook())
         self.sharing = SharingMeter(self.load.computing)
@@ -110,10 +114,11 @@ class DecodeConnector:
     @classmethod
     def for_model(cls, model: Model, receiver: TransportReceiver, options: DecodeOptions,
                   profile: str = "", transfers: TransferBook | None = None,
-                  turns: ComputeTurns = UNLIMITED) -> DecodeConnector:
+                  turns: ComputeTurns = UNLIMITED,
+                  engine_state: Callable[[], EngineState] | None = None) -> DecodeConnector:
         calibration = DecodeCalibration.for_model(model, options.codecs, profile,
                                                   options.link_prior_gbps)
-        return cls(model, calibration, receiver, options, transfers, turns)
+        return cls(model, calibration, receiver, options, transfers, turns, engine_state)
 
     @property
     def link_measured(self) -> bool:
@@ -128,6 +133,7 @@ class DecodeConnector:
               quality: Quality = DEFAULT_QUALITY) -> DecodeOffer:
         backlog = self.load.backlog(self.calibration.suffix_ms_per_layer,
                                     self.shape.num_layers)
+        engine = self.engine_state() if self.engine_state else None
         return DecodeOffer(model=self.shape.name, num_layers=self.shape.num_layers,
                            address=self.receiver.address,
                            codecs=offered_codecs(quality, self.options.codecs),
@@ -136,7 +142,10 @@ class DecodeConnector:
                            accepts_streamed=True, accepts_pipelined=True,
                            chunk_tokens=self.options.chunk_tokens,
                            computing=self.load.computing(), backlog_ms=backlog.ms,
-                           planned=backlog.planned, fingerprint=self.options.fingerprint)
+                           planned=backlog.planned, fingerprint=self.options.fingerprint,
+                           running_batch=engine.running if engine else 0,
+                           itl_budget_ms=engine.itl_budget_ms if engine else 0.0,
+                           decode_step_ms=engine.step_ms if engine else 0.0)
 
     def recompute_s(self, prompt_len: int) -> float:
         """What recomputing a prompt here would take now, by this worker's calibration."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rekv_core.connector.calls import BadRequest, Busy, HandoffCall, ModelMismatch
 from rekv_core.handoff import Delivery, HandoffPlan, Order, SenderReport, send_handoff
@@ -45,6 +45,7 @@ from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, LivePrefil
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import Model, prefill
 from rekv_core.plan.calibration import PrefillCalibration, Queues
+from rekv_core.plan.cost import interleaved_stretch
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 from rekv_core.plan.planner import Decision, Planner, common_codecs
 from rekv_core.plan.policy import Policy, shipped_policy
@@ -105,7 +106,12 @@ class PrefillConnector:
         self._delivery(call)
 
     def decide(self, call: HandoffCall, queue: int = 0) -> Decision:
-        offer, costs = call.offer, call.offer.costs
+        offer = call.offer
+        stretch = interleaved_stretch(offer.running_batch, offer.itl_budget_ms,
+                                      offer.decode_step_ms)
+        # the decode side's compute is interleaved with its running batch (`plan.cost`)
+        costs = replace(offer.costs,
+                        suffix_ms_per_layer=offer.costs.suffix_ms_per_layer * stretch)
         delivery = self._delivery(call)
         unseen = self.assigned.unseen(offer.address, offer.planned)
         inputs = self.calibration.cost_inputs(

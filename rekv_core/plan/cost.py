@@ -263,6 +263,20 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     return Prediction(action, end + inputs.join_ms, h, x, r, inputs.join_ms, wire.total, prefill)
 
 
+MAX_STRETCH = 10.0  # a step of the batch alone at or past the budget
+
+
+def interleaved_stretch(running: int, budget_ms: float, step_ms: float) -> float:
+    """Wall time over compute time of decode-side compute interleaved with a running batch:
+    T / (T − s_B) for B > 0 streams, a budget T > 0 and a step s_B; 1 otherwise."""
+    if running <= 0 or budget_ms <= 0:
+        return 1.0
+    spare = budget_ms - step_ms
+    if spare <= budget_ms / MAX_STRETCH:
+        return MAX_STRETCH
+    return budget_ms / spare
+
+
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:
     """Every (b, c) for the given prefix codecs, c in [1, L], plus token-only (c = 0); with
     `splitzip` among the codecs, every interior cut also with a SplitZip-coded boundary."""

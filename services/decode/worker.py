@@ -46,7 +46,8 @@ class DecodeWorker(Worker):
             DecodeOptions(settings.codecs, settings.boundary_chunk_tokens,
                           settings.handoff_timeout_s, settings.encrypt_data_plane,
                           settings.link_gbps, self.fingerprint.hex),
-            settings.profile, self.transfers, turns=self.engine or UNLIMITED)
+            settings.profile, self.transfers, turns=self.engine or UNLIMITED,
+            engine_state=self.engine.state if self.engine else None)
         metrics.link.set_function(lambda: self.connector.link_gbps)
         metrics.transport_pending.set_function(lambda: self.receiver.pending().total)
         metrics.connections.set_function(self.receiver.connections)

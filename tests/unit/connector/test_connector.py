@@ -220,3 +220,36 @@ def test_the_decode_side_offers_its_fingerprint_and_binds_its_key_to_it(decode):
     finally:
         decode.abandon(pending, "test over")
         decode.end(pending)
+
+
+def _busy(call, running=8, budget_ms=150.0, step_ms=120.0):
+    return replace(call, offer=replace(call.offer, running_batch=running,
+                                       itl_budget_ms=budget_ms, decode_step_ms=step_ms))
+
+
+@pytest.mark.parametrize("link", [0.1, 1.0, 10.0])
+def test_a_busy_batch_moves_the_work_to_the_wire_and_an_idle_worker_to_recompute(link):
+    """The same request, planned beside an idle decode worker and beside one whose batch leaves
+    a fifth of its ITL budget for a handoff's compute: the busy one gets a larger cut (less
+    recompute there), and an engine with no stream running changes nothing."""
+    def chosen(call):  # a fresh prefill worker each time: its decisions count as decode backlog
+        return _prefill().decide(call).plan.action
+
+    idle = chosen(_call(link=link))
+    busy = chosen(_busy(_call(link=link)))
+    assert busy.cut > idle.cut
+    assert chosen(_busy(_call(link=link), running=0)) == idle
+    assert chosen(_busy(_call(link=link), budget_ms=0.0)) == idle
+
+
+def test_the_offer_carries_the_engines_batch_and_budget():
+    model = SimpleNamespace(shape=SHAPE, dtype=torch.float32)
+    calibration = DecodeCalibration(SHAPE, LayerCost([512], [2.0]), {"int8": 1.0})
+    state = SimpleNamespace(running=5, itl_budget_ms=170.0, step_ms=90.0)
+    connector = DecodeConnector(model, calibration, Receiver(), DecodeOptions(("bf16",)),
+                                TransferBook(), engine_state=lambda: state)
+    try:
+        offer = connector.offer(512, in_flight=1, queue=0)
+        assert (offer.running_batch, offer.itl_budget_ms, offer.decode_step_ms) == (5, 170.0, 90.0)
+    finally:
+        connector.close()

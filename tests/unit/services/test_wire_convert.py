@@ -29,7 +29,8 @@ def _call(link_gbps=0.25, suffix_scale=1.3, **offer_changes) -> HandoffCall:
     offer = dict(model="smollm2-135m", num_layers=L, address="10.0.0.2:5000",
                  codecs=("bf16", "int8"), queue_depth=2, handoffs_in_flight=1, costs=costs,
                  computing=1, backlog_ms=850.0, planned=frozenset({"r0/x", "r9/y"}),
-                 fingerprint=FINGERPRINT)
+                 fingerprint=FINGERPRINT, running_batch=6, itl_budget_ms=180.0,
+                 decode_step_ms=95.5)
     offer.update(offer_changes)
     return HandoffCall("r1", "r1/abc", [1, 2, 3], DecodeOffer(**offer), Action("int8", 15, L),
                        Sealing(bytes(range(32)), True, bytes.fromhex(FINGERPRINT)),
@@ -85,6 +86,8 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: r.offer.codecs.append("int3"), "offer.codecs"),
     (lambda r: setattr(r.forced_action, "cut", 31), "forced_action.cut"),
     (lambda r: setattr(r.offer, "backlog_ms", -1.0), "offer.backlog_ms"),
+    (lambda r: setattr(r.offer, "itl_budget_ms", -1.0), "offer.itl_budget_ms"),
+    (lambda r: setattr(r.offer, "decode_step_ms", float("nan")), "offer.decode_step_ms"),
     (lambda r: setattr(r.offer, "suffix_scale", 1e308), "offer.suffix_scale"),
     (lambda r: setattr(r.offer, "suffix_scale", float("nan")), "offer.suffix_scale"),
     (lambda r: setattr(r.offer, "suffix_scale", 0.0), "offer.suffix_scale"),
