@@ -319,14 +319,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         chunk_tokens=Delivery(chunk_tokens=args.chunk_tokens).chunk_tokens, orders=orders)
     decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
                                                        quality=Quality(args.quality))
+    measured = _measured_when(profile)
     if args.json:
-        print(json.dumps(decision.as_dict()))
+        print(json.dumps({**decision.as_dict(), "profile": {
+            "source": source, "measured_at": profile.meta.get("measured_at"),
+            "age_s": measured[0], "measured_busy": profile.meta.get("measured_busy")}}))
         return 0
     console = Console()
     link = "prior, unmeasured" if args.unmeasured_link else "measured"
     console.print(f"{shape.name}, S = {args.prompt_len}, link {args.link_gbps:g} Gb/s ({link}), "
                   f"{args.schedule} schedule, profile {profile.device}/{profile.dtype} "
-                  f"({source}), policy "
+                  f"({source}; {measured[1]}), policy "
                   f"{'none (lossless only)' if policy is None else policy.max_cut}")
     order = " pipelined" if decision.pipelined else ""
     console.print(f"[bold]chosen: {decision.action}{order} — predicted TTFT "
@@ -343,6 +346,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       f"{p.bytes / 2**20:.2f}")
     console.print(table)
     return 0
+
+
+def _measured_when(profile) -> tuple[float | None, str]:
+    """(age in seconds, or None; how `rekv plan` says it) of a profile's measurement."""
+    import datetime
+
+    at = profile.meta.get("measured_at")
+    busy = " on a busy machine" if profile.meta.get("measured_busy") else ""
+    try:
+        when = datetime.datetime.fromisoformat(at)
+    except (TypeError, ValueError):
+        return None, f"measured at an unknown time{busy}"
+    age = (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
+    for unit, seconds in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= seconds:
+            return age, f"measured {age / seconds:.1f} {unit} ago{busy}"
+    return age, f"measured {age:.0f} s ago{busy}"
 
 
 def _plan_profile(args: argparse.Namespace):

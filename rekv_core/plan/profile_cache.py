@@ -13,7 +13,18 @@ intra-op threads and the model; the file name carries its hash, and the file rec
 `meta["fingerprint"]`, so a profile is never taken for another machine or setting. A directory that
 cannot be written only logs a warning (the profile is measured and used, not kept). Processes that
 start together on one machine measure once: the others wait on the entry's lock file, then load.
-Delete the directory to measure again (say, after measuring on a loaded machine).
+
+A cached profile is checked before it is used (`stale`): one layer at `CHECK_LENGTH` tokens is
+timed now (the least of two runs, tens of ms) against the profile's figure. Where the live layer
+runs `STALE_FACTOR` (2×) faster, the profile was measured while something else ran (a profile
+cached during other load once predicted a 2,048-token prefill at 17.7 s against 1.87 s measured
+idle); where it runs 2× slower on an idle machine, the machine is not what it was; and a profile
+measured on a busy machine (`meta["measured_busy"]`, `machine_busy`: other work kept more than
+`BUSY_SHARE` of the CPUs busy just before) is measured again once the machine is idle. In each case
+the profile is measured again and replaces the cached one. A slower live layer on a busy machine
+keeps the cache: the load, not the profile, is what changed. `meta["source"]` says where the
+profile in hand came from ("cache" or "measured"), `meta["measured_at"]` when it was measured;
+`rekv plan` shows both.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import os
 import platform
 import re
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -36,7 +48,7 @@ from rekv_core import env
 
 from rekv_core.model.executor import Model
 from rekv_core.plan.estimates import LayerCost
-from rekv_core.plan.measure import measure_codec_costs
+from rekv_core.plan.measure import measure_codec_costs, measure_layer_cost
 from rekv_core.plan.profile import Profile, measure_profile
 
 log = logging.getLogger("rekv.plan.profile_cache")
@@ -47,6 +59,10 @@ DEFAULT_CACHE_DIR = Path("~/.cache/rekv/profiles")
 STARTUP_LAYER_LENGTHS = (64, 256, 1024)
 STARTUP_CODEC_LENGTH = 512
 MEASURE_ROUNDS = 2  # each figure kept is the least of this many rounds
+CHECK_LENGTH = 256  # tokens of the live layer a cached profile is checked against
+STALE_FACTOR = 2.0
+BUSY_SHARE = 0.5  # of all CPUs, kept busy by other work: a measurement then is marked busy
+BUSY_WINDOW_S = 0.2
 
 
 def cache_dir() -> Path:
@@ -103,24 +119,79 @@ def load_cached(print_: dict, directory: str | Path | None = None) -> Profile | 
     return profile if profile.meta.get("fingerprint") == print_ else None
 
 
+def machine_busy(window_s: float = BUSY_WINDOW_S) -> bool:
+    """Whether other work kept more than `BUSY_SHARE` of the CPUs busy over the last
+    `window_s` (/proc/stat; False where it cannot be read)."""
+    def sample() -> tuple[int, int] | None:
+        try:
+            fields = [int(v) for v in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+
+    first = sample()
+    time.sleep(window_s)
+    second = sample()
+    if first is None or second is None or second[0] <= first[0]:
+        return False
+    return 1 - (second[1] - first[1]) / (second[0] - first[0]) > BUSY_SHARE
+
+
+def stale(cached_ms: float, live_ms: float, busy: bool, measured_busy: bool = False) -> bool:
+    """Whether a cached profile whose layer at `CHECK_LENGTH` costs `cached_ms` must be measured
+    again, given that layer timed now (`live_ms`) and whether the machine is busy now."""
+    if live_ms * STALE_FACTOR < cached_ms:
+        return True  # measured under load
+    if busy:
+        return False
+    return measured_busy or live_ms > STALE_FACTOR * cached_ms
+
+
+def live_layer_ms(model: Model, length: int = CHECK_LENGTH) -> float:
+    """One layer at `length` tokens on this machine now: the least of two runs."""
+    return min(measure_layer_cost(model, (length,), repeats=1).ms[0] for _ in range(2))
+
+
 def cached_profile(model: Model, codecs: Iterable[str], directory: str | Path | None = None
                    ) -> Profile:
-    """The profile of `model` with `codecs` on this machine: cached, else measured and saved."""
+    """The profile of `model` with `codecs` on this machine: cached and still true (`stale`),
+    else measured and saved."""
     codecs = list(dict.fromkeys(codecs))
     print_ = model_fingerprint(model)
     path = cache_path(print_, directory)
     with _locked(path):
         profile = load_cached(print_, directory)
+        if profile is not None and _stale(model, profile, path):
+            profile = None
         missing = [c for c in codecs if profile is None or c not in profile.quantize_ms_per_mib
                    or c not in profile.restore_ms_per_mib]
         if profile is not None and not missing:
-            log.info("profile cache: loaded %s", path)
+            log.info("profile cache: loaded %s (measured %s)", path,
+                     profile.meta.get("measured_at", "at an unknown time"))
+            profile.meta["source"] = "cache"
             return profile
         log.info("profile cache: measuring %s on %s (%s)", model.shape.name,
                  print_["machine"], ", ".join(missing) or "no codecs")
-        profile = _measured(model, missing, profile, print_)
+        busy = machine_busy()
+        profile = _measured(model, missing if profile is not None else codecs, profile, print_)
+        profile.meta["measured_busy"] = busy or bool(profile.meta.get("measured_busy"))
         _save(profile, path)
+        profile.meta["source"] = "measured"
     return profile
+
+
+def _stale(model: Model, profile: Profile, path: Path) -> bool:
+    cached_ms = profile.layer_cost.at(CHECK_LENGTH)
+    live_ms = live_layer_ms(model)
+    busy = machine_busy()
+    if not stale(cached_ms, live_ms, busy, bool(profile.meta.get("measured_busy"))):
+        return False
+    log.warning("profile cache: %s is stale (one layer at %d tokens: %.2f ms now, %.2f ms in "
+                "the profile measured %s%s; the machine is %s now): measuring again", path,
+                CHECK_LENGTH, live_ms, cached_ms, profile.meta.get("measured_at", "?"),
+                " on a busy machine" if profile.meta.get("measured_busy") else "",
+                "busy" if busy else "idle")
+    return True
 
 
 def _measured(model: Model, codecs: list[str], known: Profile | None, print_: dict) -> Profile:

@@ -219,6 +219,10 @@ def counted(monkeypatch):
     monkeypatch.setattr(cache, "MEASURE_ROUNDS", 1)
     monkeypatch.setattr(cache, "measure_profile", profile)
     monkeypatch.setattr(cache, "measure_codec_costs", codec)
+    # the freshness check has tests of its own (below): here a cached profile stays true
+    monkeypatch.setattr(cache, "live_layer_ms", lambda model, length=cache.CHECK_LENGTH: 1.0)
+    monkeypatch.setattr(cache, "stale", lambda *args, **kwargs: False)
+    monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: False)
     return calls
 
 
@@ -296,7 +300,10 @@ def test_rekv_plan_warns_on_the_shipped_profile_and_measures_on_request(tmp_path
     assert main(args + mini) == 2  # no profile ships for it
     assert "--measure" in capsys.readouterr().err
     assert main(args + mini + ["--measure"]) == 0 and counted["profiles"] == 1
-    assert json.loads(capsys.readouterr().out)["rule"] == "best"
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["rule"] == "best"
+    assert answer["profile"]["source"] == "measured on this machine"
+    assert 0 <= answer["profile"]["age_s"] < 600 and answer["profile"]["measured_busy"] is False
     assert main(args + mini) == 0 and counted["profiles"] == 1  # cached for this machine now
     assert "warning" not in capsys.readouterr().err
 
@@ -330,3 +337,45 @@ def test_a_fresh_pair_settles_on_the_best_action_despite_the_prior_and_the_cold_
     assert took[0][0] is Rule.UNMEASURED_LINK and took[0][1] <= SAFE_FACTOR
     assert took[1][0] is Rule.BEST  # planned on a measured link
     assert all(ratio <= 1.1 for _, ratio in took[3:]), took
+
+
+@pytest.mark.parametrize("cached, live, busy, measured_busy, expected", [
+    (17.7, 1.87, False, False, True),  # cached during other load: far slower than the machine
+    (17.7, 1.87, True, False, True),  # ... whatever the machine does now
+    (1.0, 1.5, False, False, False),  # within the factor
+    (1.0, 2.5, False, False, True),  # slower on an idle machine: the machine changed
+    (1.0, 2.5, True, False, False),  # slower on a busy one: the load changed, not the profile
+    (1.0, 1.0, False, True, True),  # measured busy, idle now: measure it properly
+    (1.0, 1.0, True, True, False),  # ... but not while still busy
+])
+def test_a_cached_profile_is_stale_when_the_machine_disagrees(cached, live, busy, measured_busy,
+                                                              expected):
+    assert cache.stale(cached, live, busy, measured_busy) is expected
+
+
+def test_a_profile_measured_under_load_is_measured_again_and_replaced(tiny_model, tmp_path,
+                                                                      monkeypatch):
+    """The cached profile's layer is 10x slower than a live one: the next start measures again,
+    keeps the new profile, and says where each came from."""
+    monkeypatch.setattr(cache, "STARTUP_LAYER_LENGTHS", (64, 256))
+    monkeypatch.setattr(cache, "STARTUP_CODEC_LENGTH", 64)
+    monkeypatch.setattr(cache, "MEASURE_ROUNDS", 1)
+    monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: False)
+    first = cache.cached_profile(tiny_model, ["int8"], tmp_path)
+    assert first.meta["source"] == "measured" and first.meta["measured_busy"] is False
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_text())
+    assert "source" not in data["meta"]  # where it came from belongs to the one in hand
+    data["meta"]["measured_at"] = "2026-01-01T00:00:00+00:00"
+    data["layer_ms"]["ms"] = [10 * ms for ms in data["layer_ms"]["ms"]]
+    path.write_text(json.dumps(data))
+    monkeypatch.setattr(cache, "live_layer_ms", lambda model, length=256: (
+        first.layer_cost.at(length)))
+    again = cache.cached_profile(tiny_model, ["int8"], tmp_path)
+    assert again.meta["source"] == "measured"
+    assert again.meta["measured_at"] != data["meta"]["measured_at"]
+    assert again.layer_cost.at(256) < data["layer_ms"]["ms"][1] / 2
+    monkeypatch.setattr(cache, "live_layer_ms", lambda model, length=256: (
+        again.layer_cost.at(length)))
+    kept = cache.cached_profile(tiny_model, ["int8"], tmp_path)
+    assert kept.meta["source"] == "cache" and kept.layer_cost.ms == again.layer_cost.ms
