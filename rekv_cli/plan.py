@@ -293,6 +293,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from rekv_cli.plan_profile import measured_when, plan_profile
+
     from rekv_core.handoff import Delivery, Order
     from rekv_core.model.shapes import get_preset
     from rekv_core.plan.calibration import DecodeCalibration, PrefillCalibration
@@ -301,7 +303,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from rekv_core.plan.quality import Quality
 
     shape = get_preset(args.model)
-    profile, source = _plan_profile(args)
+    profile, source = plan_profile(args)
     policy = Policy.load(args.policy) if args.policy else shipped_policy(args.model)
     if args.prompt_len < 1:
         raise ValueError(f"prompt-len: must be positive, got {args.prompt_len}")
@@ -319,7 +321,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         chunk_tokens=Delivery(chunk_tokens=args.chunk_tokens).chunk_tokens, orders=orders)
     decision = Planner(policy, explore_every=0).decide(inputs, args.codecs,
                                                        quality=Quality(args.quality))
-    measured = _measured_when(profile)
+    measured = measured_when(profile)
     if args.json:
         print(json.dumps({**decision.as_dict(), "profile": {
             "source": source, "measured_at": profile.meta.get("measured_at"),
@@ -346,70 +348,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       f"{p.bytes / 2**20:.2f}")
     console.print(table)
     return 0
-
-
-def _measured_when(profile) -> tuple[float | None, str]:
-    """(age in seconds, or None; how `rekv plan` says it) of a profile's measurement."""
-    import datetime
-
-    at = profile.meta.get("measured_at")
-    busy = " on a busy machine" if profile.meta.get("measured_busy") else ""
-    try:
-        when = datetime.datetime.fromisoformat(at)
-    except (TypeError, ValueError):
-        return None, f"measured at an unknown time{busy}"
-    age = (datetime.datetime.now(datetime.timezone.utc) - when).total_seconds()
-    for unit, seconds in (("d", 86400), ("h", 3600), ("min", 60)):
-        if age >= seconds:
-            return age, f"measured {age / seconds:.1f} {unit} ago{busy}"
-    return age, f"measured {age:.0f} s ago{busy}"
-
-
-def _plan_profile(args: argparse.Namespace):
-    """(profile, where it came from) for `rekv plan`: --profile; else this machine's cached
-    profile (measured now with --measure); else the shipped one, with a warning on stderr."""
-    from rekv_core.plan.profile import Profile, shipped_profile
-    from rekv_core.plan.profile_cache import cached_profile, load_cached
-    from rekv_core.settings import RuntimeSettings, usable_cores
-
-    if args.profile:
-        if args.measure:
-            raise ValueError("measure: --profile names the profile; pass one or the other")
-        return Profile.load(args.profile), args.profile
-    source = args.model if args.model == DEFAULT_MODEL else f"synthetic:{args.model}"
-    settings = RuntimeSettings.from_env(model=source, device=args.device, dtype=args.dtype,
-                                        torch_threads=args.threads)
-    if args.measure:
-        settings.apply_threads()
-        return cached_profile(settings.load_model(), args.codecs), "measured on this machine"
-    print_ = _fingerprint(args.model, settings, usable_cores())
-    cached = load_cached(print_) if print_ else None
-    if cached is not None and all(c in cached.quantize_ms_per_mib and c in
-                                  cached.restore_ms_per_mib for c in args.codecs):
-        return cached, "cached for this machine"
-    shipped = shipped_profile(args.model)
-    if shipped is None:
-        raise ValueError(f"profile: none ships for {args.model} and none is cached for this "
-                         f"machine; pass --measure, or run `rekv profile` and pass --profile")
-    made_on = shipped.meta.get("fingerprint", {}).get("machine")
-    here = print_.get("machine") if print_ else None
-    if made_on is not None and made_on == here:
-        return shipped, "shipped, measured on this CPU model"
-    print(f"rekv plan: warning: the shipped profile of {args.model} was measured on "
-          f"{made_on or 'another machine (it does not say which)'}, not on this one "
-          f"({here or 'unknown'}); compute costs differ by up to 10x between CPUs (AVX-512 BF16 "
-          f"or not), so its choice may be wrong here. Pass --measure to measure this machine "
-          f"(seconds; cached, as the services cache theirs) or --profile FILE", file=sys.stderr)
-    return shipped, "shipped, measured on another machine"
-
-
-def _fingerprint(model: str, settings, cores: int) -> dict | None:
-    """This machine's profile fingerprint under `settings`, without loading the model (None
-    where the device cannot be asked, such as CUDA on a machine without it)."""
-    from rekv_core.plan.profile_cache import fingerprint
-
-    try:
-        return fingerprint(model, settings.device, settings.torch_dtype,
-                           settings.torch_threads or cores)
-    except (RuntimeError, AssertionError):
-        return None
