@@ -267,6 +267,7 @@ class DecodeEngine:
                 self._decode(batch)
             if ticket is not None:
                 self._grant(ticket)
+            batch = ticket = None  # nothing of a stream that left is held while the loop waits
 
     def _decode(self, batch: list[Stream]) -> None:
         began = self._clock()
@@ -286,7 +287,13 @@ class DecodeEngine:
             if stream.cancelled:
                 finished.append(stream)
                 continue
-            token = stream.sampler(row)
+            try:
+                token = stream.sampler(row)
+            except Exception as exc:  # this stream's own sampling: it alone ends with the error
+                log.exception("stream %s: sampling failed", stream.request_id)
+                finished.append(stream)
+                _emit(stream, None, None, exc)
+                continue
             now = self._clock()
             self.observer.token_gap(now - stream.last_token_at)
             stream.last_token_at, stream.token = now, token

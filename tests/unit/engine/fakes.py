@@ -100,6 +100,7 @@ class GatedStep:
     def __init__(self, vocab: int = 97, fail_at: int | None = None):
         self.vocab, self.fail_at = vocab, fail_at
         self.gate = threading.Semaphore(0)
+        self.free = threading.Event()  # set: every later step runs without waiting
         self.batches: list[list[int]] = []  # id() of each cache of each step
         self._entered: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
@@ -111,12 +112,17 @@ class GatedStep:
     def open(self, steps: int = 1) -> None:
         self.gate.release(steps)
 
+    def open_all(self) -> None:
+        self.free.set()
+        self.gate.release()
+
     def __call__(self, model, tokens: Sequence[int], caches: Sequence) -> torch.Tensor:
         with self._lock:
             index = len(self.batches)
             self.batches.append([id(c) for c in caches])
         self.entered(index).set()
-        assert self.gate.acquire(timeout=WAIT_S), "the test never opened the gate"
+        if not self.free.is_set():
+            assert self.gate.acquire(timeout=WAIT_S), "the test never opened the gate"
         if index == self.fail_at:
             raise RuntimeError("boom")
         return next_token_logits(tokens, self.vocab)
