@@ -42,6 +42,7 @@ import torch
 
 from rekv_core.engine.budget import ItlBudget
 from rekv_core.model.batched import batched_decode_step
+from rekv_core.model.blocks import linear as block_linear
 from rekv_core.model.cache import KVCache
 from rekv_core.model.layer import Model
 from rekv_core.model.packed import PackedLinears
@@ -117,20 +118,32 @@ def _emit(stream: Stream, token: int | None, finish: str | None,
 
 
 def engine_step(model: Model) -> Step:
-    """The batched step for this model's device: on the CPU with prepacked weights
-    (`model.packed`) where PyTorch can pack them."""
+    """The batched step for this model: on the CPU in float32, one GEMM per weight over the
+    batch with prepacked weights (`model.packed`) where PyTorch can pack them. In other dtypes
+    each row runs through the single-stream step's kernels (`exact_linear`): a GEMM over B rows
+    rounds differently from one over a row, which in bfloat16 is enough to flip a greedy near-tie
+    within a few dozen tokens, and a lossless handoff must keep the single-process reference's
+    answer whatever the batch (float32's rounding is 2^16 finer)."""
+    if model.dtype != torch.float32:
+        return functools.partial(batched_decode_step, linear=exact_linear)
     packed = PackedLinears.for_model(model)
     if packed is None:
         return batched_decode_step
     return functools.partial(batched_decode_step, linear=packed.linear)
 
 
+def exact_linear(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`blocks.linear` one row at a time: each row's result is the single-stream step's."""
+    return torch.cat([block_linear(x[i:i + 1], weight, bias) for i in range(x.shape[0])])
+
+
 def prepare_engine_thread(model: Model) -> None:
-    """On the CPU, the calling thread's float math treats subnormals as zero (FTZ/DAZ are per
-    thread: the turns' prefill work, on other threads, is untouched). SiLU's tail makes
-    subnormals, which cost a batched CPU step up to a fifth of its time (32 streams: 235 → 194 ms);
-    a logit moves by less than 1e-30."""
-    if model.device.type == "cpu":
+    """On the CPU in float32 (the GEMM-batched step), the calling thread's float math treats
+    subnormals as zero (FTZ/DAZ are per thread: the turns' prefill work, on other threads, is
+    untouched). SiLU's tail makes subnormals, which cost a batched CPU step up to a fifth of its
+    time (32 streams: 235 → 194 ms); a logit moves by less than 1e-30."""
+    if model.device.type == "cpu" and model.dtype == torch.float32:
         torch.set_flush_denormal(True)
 
 

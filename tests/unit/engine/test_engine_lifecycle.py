@@ -14,7 +14,7 @@ import pytest
 
 from rekv_core.engine import DecodeEngine, EngineClosed
 from rekv_core.engine.loop import UNBOUNDED
-from tests.unit.engine.fakes import GatedStep, budget, empty_cache, stream, tiny_model, wait
+from tests.support.engine_fakes import GatedStep, budget, empty_cache, stream, tiny_model, wait
 
 MODEL = tiny_model(layers=1)
 

@@ -16,7 +16,7 @@ from rekv_core.engine import DecodeEngine, engine_step
 from rekv_core.model import KVCache, greedy_generate, prefill
 from rekv_core.model.batched import batched_decode_step
 from rekv_core.model.sampling import Sampler, SamplingParams
-from tests.unit.engine.fakes import Observed, budget, stream, wait
+from tests.support.engine_fakes import Observed, budget, stream, wait
 
 PROMPTS = {  # name: (prompt, new tokens)
     "a": ("The capital of France is", 10),

@@ -15,7 +15,7 @@ import torch
 
 from rekv_core.engine import DecodeEngine, ItlBudget
 from rekv_core.engine.budget import SAFETY
-from tests.unit.engine.fakes import CostedStep, FakeClock, Observed, empty_cache, stream, \
+from tests.support.engine_fakes import CostedStep, FakeClock, Observed, empty_cache, stream, \
     tiny_model, wait
 
 PIECE_MS = 0.01  # what one token-layer of the fake prefill work costs on the fake clock

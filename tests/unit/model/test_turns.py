@@ -13,7 +13,7 @@ from rekv_core.model import KVCache, prefill, run_layers
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.layer import final_logits
 from rekv_core.model.turns import Turn, piece, prefill_in_turns, run_layers_in_turns
-from tests.unit.engine.fakes import tiny_model
+from tests.support.engine_fakes import tiny_model
 
 
 class RandomTurns:
