@@ -8,7 +8,8 @@
 For each context C and batch B: B caches of random values filled to C (as bench/executor.py's
 decode rows: a step's cost does not depend on the values), then --repeats times --steps
 consecutive batched steps of all B streams from C (the engine's: `engine_step`, on the CPU with
-prepacked weights and subnormals flushed, unless --no-pack), each timed alone (device
+prepacked weights and subnormals flushed, unless --no-pack; on CUDA the bucketed slab with a CUDA
+graph per batch bucket; --gemm: batched GEMMs outside float32 too), each timed alone (device
 synchronized), after one untimed warm-up step. Reported: the median step, tokens/s (B / step), and
 the floor: one step reads every layer's weights once for the whole batch and each stream's K and V
 (`executor.weight_read_bytes` + B × `executor.kv_read_bytes`) at the copy rate measured in the same
@@ -18,6 +19,7 @@ run; the ratio to it, and the speed-up over B = 1 against the ideal B×.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -36,6 +38,9 @@ from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model import Model, load_weights  # noqa: E402
 from rekv_core.engine import engine_step, prepare_engine_thread  # noqa: E402
 from rekv_core.model.batched import batched_decode_step  # noqa: E402
+from rekv_core.model.blocks import linear  # noqa: E402
+from rekv_core.model.bucketed import BucketedDecoder  # noqa: E402
+from rekv_core.model.packed import PackedLinears  # noqa: E402
 from rekv_core.timing import synchronize  # noqa: E402
 
 DRY_RUN = {"model": "synthetic:smollm2-135m", "contexts": "64,256", "batches": "1,2,4",
@@ -73,12 +78,27 @@ def time_batch(model: Model, step, context: int, batch: int, steps: int, repeats
             "read_bytes": read, "floor_ms": floor_ms, "ratio_to_floor": median_ms / floor_ms}
 
 
+def choose_step(model: Model, args: argparse.Namespace):
+    """The engine's step (`engine_step`: on CUDA the bucketed slab with CUDA graphs), or with
+    --gemm batched GEMMs outside float32 too (the rate batch-invariant rows give up), or with
+    --no-pack the plain batched step."""
+    if args.no_pack:
+        return batched_decode_step
+    capacity = max(args.contexts) + args.steps + 1
+    if not args.gemm:
+        return engine_step(model, max(args.batches), capacity)
+    if model.device.type == "cuda":
+        return BucketedDecoder(model, max(args.batches), capacity)
+    packed = PackedLinears.for_model(model)
+    return functools.partial(batched_decode_step, linear=packed.linear if packed else linear)
+
+
 def run(args: argparse.Namespace) -> dict:
     started = provenance()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     ceilings = bandwidth_ceilings(device, args.repeats)
-    step = batched_decode_step if args.no_pack else engine_step(model)
+    step = choose_step(model, args)
     if not args.no_pack:
         prepare_engine_thread(model)  # as the engine's thread does
     rows = []
@@ -97,7 +117,9 @@ def run(args: argparse.Namespace) -> dict:
                             else cpu_model()),
             "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "dry_run": args.dry_run, "threads": torch.get_num_threads(),
-            "packed_weights": step is not batched_decode_step}
+            "packed_weights": step is not batched_decode_step, "gemm": args.gemm,
+            "step": type(step).__name__ if not isinstance(step, functools.partial)
+            else step.func.__name__}
     return {"meta": meta, "ceilings": ceilings, "rows": rows}
 
 
@@ -136,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="steps timed per run (default 16)")
     parser.add_argument("--repeats", type=int, help="timed runs (default 3)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--gemm", action="store_true",
+                        help="batched GEMMs outside float32 too (not batch-invariant)")
     parser.add_argument("--no-pack", action="store_true",
                         help="the step without prepacked CPU weights (model.packed)")
     parser.add_argument("--dry-run", action="store_true", help=f"tiny sizes: {DRY_RUN}")

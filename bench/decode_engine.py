@@ -3,14 +3,17 @@ streams, and what a handoff computing on the decode worker costs the streams run
 
     python bench/decode_engine.py [--streams 1,4,8,16,32] [--new-tokens 48] [--prompt-tokens 64]
         [--prompts 1024,2048] [--long-tokens 200] [--handoffs 2] [--rounds 1] [--seed 0]
-        [--dtype float32] [--quick] [--json FILE] [--markdown FILE]
+        [--dtype float32] [--paths batched,per_request] [--ucx-loop-nice 0[,19...]] [--quick]
+        [--json FILE] [--markdown FILE]
 
 Two service pairs run side by side for the whole run, one per decode path (`--decode-path
 batched`, the engine; `per_request`, each request decoding alone on a thread of its own, as
 before the engine), each prefill service pinned to core 0 and each decode service to core 1 with
 one torch thread (`taskset`, with two cores or more), on loopback, the embedded model; the decode
-services' UCX thread at `--ucx-loop-nice` 0 (at the default 19 it gets almost none of a core that
-decoding keeps busy, and a handoff then waits seconds for its messages). Only one
+services' UCX thread at `--ucx-loop-nice` (0 unless told; with several values, comma-separated,
+the batched path runs once per value, to compare them: the data plane's share of a core the engine
+keeps busy against what its busy-polling takes from the streams). `--paths` leaves a path out.
+Only one
 case runs at a time; the cases of both parts run in one shuffled order (`--seed`).
 
 1. Streams: N concurrent `Generate` calls (N in `--streams`), each a prompt of `--prompt-tokens`
@@ -159,16 +162,26 @@ def itl_budget_ms(pair: ServicePair) -> float:
     return float(found.group(1)) * 1e3 if found else 0.0
 
 
+def variants(args) -> dict[str, tuple[str, int]]:
+    """Service pairs by name: (decode path, the decode services' UCX nice). The batched path runs
+    once per `--ucx-loop-nice` value (named with it when there are several), per_request once."""
+    named = {}
+    for path in args.paths:
+        nices = args.ucx_loop_nice if path == "batched" else args.ucx_loop_nice[:1]
+        for nice in nices:
+            named[path if len(nices) == 1 else f"{path} nice {nice}"] = (path, nice)
+    return named
+
+
 def start_pairs(args, log_dir: Path) -> dict[str, ServicePair]:
     pinned = (os.cpu_count() or 1) >= 2
     common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-prompt-tokens", "4096"]
     pairs = {}
     try:
-        for path in PATHS:
+        for name, (path, nice) in variants(args).items():
             decode = [*common, "--decode-path", path, "--max-batch", "32", "--max-concurrent",
-                      "64" if path == "per_request" else "4", "--ucx-loop-nice",
-                      str(args.ucx_loop_nice)]
-            pairs[path] = ServicePair(common, decode, log_dir=log_dir / path,
+                      "64" if path == "per_request" else "4", "--ucx-loop-nice", str(nice)]
+            pairs[name] = ServicePair(common, decode, log_dir=log_dir / name.replace(" ", "-"),
                                       prefill_prefix=["taskset", "-c", "0"] if pinned else [],
                                       decode_prefix=["taskset", "-c", "1"] if pinned else [])
     except BaseException:
@@ -179,13 +192,14 @@ def start_pairs(args, log_dir: Path) -> dict[str, ServicePair]:
 
 
 def summarize(rows: list[dict]) -> None:
-    """Adds to each streams row its ceiling (N × the per-request single-stream rate of its round)
-    and its ratio to the per-request single stream."""
+    """Adds to each streams row its ceiling (N × the single-stream rate of its round: the
+    per-request path's where it ran, else its own) and its ratio to that single stream."""
     for row in rows:
         if row["part"] != "streams":
             continue
-        single = next(r for r in rows if r["part"] == "streams" and r["path"] == "per_request"
-                      and r["streams"] == 1 and r["round"] == row["round"])
+        ones = {r["path"]: r for r in rows if r["part"] == "streams" and r["streams"] == 1
+                and r["round"] == row["round"]}
+        single = ones.get("per_request", ones[row["path"]])
         row["ceiling_tokens_per_s"] = row["streams"] * single["tokens_per_s"]
         row["x_single_stream"] = row["tokens_per_s"] / single["tokens_per_s"]
 
@@ -216,9 +230,10 @@ def markdown(result: dict) -> str:
 
 
 def cases(args) -> list[tuple]:
-    every = [("streams", path, n) for path in PATHS for n in args.streams]
+    named = variants(args)
+    every = [("streams", name, n) for name in named for n in args.streams]
     kinds = ("token_only", "transfer") if args.quick else tuple(KINDS)
-    every += [("interference", path, kind, s) for path in PATHS for kind in kinds
+    every += [("interference", name, kind, s) for name in named for kind in kinds
               for s in args.prompts]
     return every
 
@@ -230,7 +245,8 @@ def run(args) -> dict:
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="rekv-decode-engine-"))
     pairs = start_pairs(args, log_dir)
     try:
-        budget = itl_budget_ms(pairs["batched"])
+        budget = itl_budget_ms(next(pair for name, pair in pairs.items()
+                                    if name.startswith("batched")))
         channels = {p: grpc.insecure_channel(pair.decode_address) for p, pair in pairs.items()}
         for round_ in range(args.rounds):
             order = cases(args)
@@ -241,7 +257,9 @@ def run(args) -> dict:
                     row = streams_case(channels[case[1]], case[1], case[2], args, rng, tag)
                 else:
                     row = interference_case(channels[case[1]], *case[1:], args, rng, tag)
-                rows.append({**row, "round": round_, "order": index})
+                path, nice = variants(args)[case[1]]
+                rows.append({**row, "round": round_, "order": index, "decode_path": path,
+                             "ucx_loop_nice": nice})
                 print(f"{tag} {case}: done", file=sys.stderr)
         for channel in channels.values():
             channel.close()
@@ -266,9 +284,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--ucx-loop-nice", type=int, default=0,
-                        help="the decode services' (the default, 19, starves the data plane of "
-                             "a core the engine keeps busy)")
+    parser.add_argument("--ucx-loop-nice", default="0",
+                        help="the decode services' UCX nice, comma-separated: the batched path "
+                             "runs once per value (the services' default, 19, starves the data "
+                             "plane of a core the engine keeps busy)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"decode paths, comma-separated (default {','.join(PATHS)})")
     parser.add_argument("--quick", action="store_true", help=f"tiny: {QUICK}")
     parser.add_argument("--log-dir")
     parser.add_argument("--json", metavar="FILE")
@@ -280,8 +301,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.streams = sorted({int(v) for v in str(args.streams).split(",")} | {1})
         args.prompts = [int(v) for v in str(args.prompts).split(",")]
+        args.ucx_loop_nice = [int(v) for v in str(args.ucx_loop_nice).split(",")]
     except ValueError:
-        parser.error("--streams, --prompts: comma-separated integers")
+        parser.error("--streams, --prompts, --ucx-loop-nice: comma-separated integers")
+    args.paths = [p for p in str(args.paths).split(",") if p]
+    if not args.paths or set(args.paths) - set(PATHS):
+        parser.error(f"--paths: a comma-separated subset of {', '.join(PATHS)}")
+    if len(set(args.ucx_loop_nice)) != len(args.ucx_loop_nice) or not all(
+            0 <= n <= 19 for n in args.ucx_loop_nice):
+        parser.error("--ucx-loop-nice: distinct values in [0, 19]")
     for name in ("new_tokens", "prompt_tokens", "long_tokens", "handoffs", "rounds"):
         if getattr(args, name) < 1 or min(args.streams) < 1 or min(args.prompts) < 1:
             parser.error(f"--{name.replace('_', '-')}: must be positive")

@@ -16,6 +16,8 @@
 #   services   both services on the device over UCX            -> services_e2e.json (+ logs)
 #   executor   prefill TFLOP/s and decode step vs ceilings      -> executor.json
 #   batched    the engine's batched step, batch 1-64 at 1K, 8K  -> batched.json
+#   batched_gemm  the same with batched GEMMs in bf16 (what       -> batched-gemm.json
+#              batch-invariant rows cost)
 #   codecs     encode/decode GB/s incl. checksums vs copy rate  -> codecs.json
 #   ttft       TTFT (a)-(e): baseline, seed, streamed, chunked,  -> ttft.json
 #              colocated (issue 15), qwen2.5-7b preset at 8K
@@ -98,6 +100,8 @@ step executor 90 "$PYTHON" bench/executor.py --device "$DEVICE" "${EXECUTOR[@]}"
     --json "$OUT/executor.json"
 step batched 60 "$PYTHON" bench/batched_decode.py --device "$DEVICE" "${BATCHED[@]}" \
     --json "$OUT/batched.json"
+step batched_gemm 45 "$PYTHON" bench/batched_decode.py --device "$DEVICE" "${BATCHED[@]}" \
+    --gemm --json "$OUT/batched-gemm.json"
 step codecs 60 "$PYTHON" bench/codecs.py --device "$DEVICE" "${CODECS[@]}" \
     --json "$OUT/codecs.json"
 step ttft 120 "$PYTHON" -m rekv_cli bench ttft --device "$DEVICE" --dtype "$DTYPE" "${TTFT[@]}" \

@@ -123,17 +123,19 @@ def measure_costs(model: Model, step: Callable | None = None) -> tuple[float, fl
     shape = model.shape
     layers = min(MEASURE_LAYERS, shape.num_layers)
     far = MEASURE_FAR * EXEC_BLOCK
-    cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                    max(far + EXEC_BLOCK, MEASURE_CONTEXT + MEASURE_REPEATS + 1), model.dtype,
-                    model.device)
+    def empty(capacity: int) -> KVCache:
+        return KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, capacity,
+                       model.dtype, model.device)
+
+    cache, step_cache = empty(far + EXEC_BLOCK), empty(MEASURE_CONTEXT + 1)
 
     def sync() -> None:
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)
 
     def one_step() -> None:
-        cache.length = MEASURE_CONTEXT
-        batched(model, [0], [cache])
+        step_cache.length = MEASURE_CONTEXT
+        batched(model, [0], [step_cache])
         sync()
 
     rows = torch.zeros(EXEC_BLOCK, shape.hidden_size, dtype=model.dtype, device=model.device)

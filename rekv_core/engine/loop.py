@@ -8,8 +8,8 @@ iteration of the loop:
 
 1. takes the cancelled streams out (their caches are let go at once) and lets waiting streams
    join, up to `max_batch` running (more wait, in arrival order);
-2. runs one batched decode step for every running stream (`model.batched.batched_decode_step`:
-   one forward, each stream's attention over its own cache), samples each stream's next token
+2. runs one batched decode step for every running stream (`engine_step`: one forward, each
+   stream's attention over its own cache; on a GPU one CUDA graph replay), samples each stream's next token
    with its own sampler (so a seeded stream draws the same tokens whatever company it keeps) and
    emits it; a stream that reached EOS (when it stops there) or its last token leaves;
 3. grants one waiting turn of prefill-like work (`turns.turn()`, `model.turns`), with an allowance
@@ -43,6 +43,7 @@ import torch
 from rekv_core.engine.budget import ItlBudget
 from rekv_core.model.batched import batched_decode_step
 from rekv_core.model.blocks import linear as block_linear
+from rekv_core.model.bucketed import BucketedDecoder
 from rekv_core.model.cache import KVCache
 from rekv_core.model.layer import Model
 from rekv_core.model.packed import PackedLinears
@@ -117,14 +118,21 @@ def _emit(stream: Stream, token: int | None, finish: str | None,
         stream.cancelled = True
 
 
-def engine_step(model: Model) -> Step:
-    """The batched step for this model: on the CPU in float32, one GEMM per weight over the
-    batch with prepacked weights (`model.packed`) where PyTorch can pack them. In other dtypes
-    each row runs through the single-stream step's kernels (`exact_linear`): a GEMM over B rows
-    rounds differently from one over a row, which in bfloat16 is enough to flip a greedy near-tie
-    within a few dozen tokens, and a lossless handoff must keep the single-process reference's
-    answer whatever the batch (float32's rounding is 2^16 finer)."""
-    if model.dtype != torch.float32:
+def engine_step(model: Model, max_batch: int = 32, capacity: int | None = None) -> Step:
+    """The batched step for this model. On CUDA, `bucketed.BucketedDecoder`: the batch's caches in
+    one slab of `max_batch` slots of `capacity` positions (default: the model's context), one CUDA
+    graph per batch bucket. On the CPU in float32, `batched_decode_step` with one GEMM per weight
+    over the batch and prepacked weights (`model.packed`) where PyTorch can pack them.
+
+    Outside float32 each row runs through the single-stream step's kernels (`exact_linear`), on
+    either device: a GEMM over B rows rounds differently from one over a row, which in bfloat16 is
+    enough to flip a greedy near-tie within a few dozen tokens, and a lossless handoff must keep
+    the single-process reference's answer whatever the batch (float32's rounding is 2^16 finer)."""
+    exact = model.dtype != torch.float32
+    if model.device.type == "cuda":
+        return BucketedDecoder(model, max_batch, capacity or model.shape.max_positions,
+                               linear=exact_linear if exact else block_linear)
+    if exact:
         return functools.partial(batched_decode_step, linear=exact_linear)
     packed = PackedLinears.for_model(model)
     if packed is None:

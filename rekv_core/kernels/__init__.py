@@ -3,7 +3,8 @@
 `quantize_groupwise` / `dequantize_groupwise`, `quantize_tokens` / `dequantize_tokens` (SpectrumKV's
 per-token tiers), `splitzip_encode` / `splitzip_decode`, `quantize_int4h` / `dequantize_int4h`
 (Hadamard-rotated INT4), `wsum64` and `poly61_many` (the keyed hash behind the seal's MAC over
-device buffers) pick the backend: the Triton kernel for CUDA tensors, the PyTorch reference
+device buffers) and `decode_attention` (the batched decode step's attention over a slab of caches)
+pick the backend: the Triton kernel for CUDA tensors, the PyTorch reference
 otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
 `TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only when used.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from rekv_core.kernels.checksum_reference import wsum64_reference
+from rekv_core.kernels.decode_attention_reference import decode_attention_reference
 from rekv_core.kernels.groupwise_reference import (GROUP_SIZE, dequantize_reference,
                                                    quantize_reference)
 from rekv_core.kernels.polymac_reference import Poly61Key, poly61_reference
@@ -136,8 +138,19 @@ def poly61_many(buffers: list[torch.Tensor], key: Poly61Key, backend: str = "aut
     return [poly61_reference(b, key) for b in buffers]
 
 
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     slots: torch.Tensor, lengths: torch.Tensor, backend: str = "auto"
+                     ) -> torch.Tensor:
+    """One query per sequence against its slot of a slab of caches, `[B, n_h * d_h]` (contract
+    in `decode_attention_reference.py`)."""
+    if _use_triton(q.device, backend):
+        from rekv_core.kernels.decode_attention_triton import decode_attention_triton
+        return decode_attention_triton(q, keys, values, slots, lengths)
+    return decode_attention_reference(q, keys, values, slots, lengths)
+
+
 __all__ = ["BACKENDS", "GROUP_SIZE", "SPLITZIP_CHUNK", "ExponentHistogram", "Poly61Key",
-           "calibrate_codebook",
+           "calibrate_codebook", "decode_attention",
            "dequantize_groupwise", "dequantize_int4h", "dequantize_tokens", "quantize_groupwise",
            "quantize_int4h", "quantize_tokens",
            "poly61_many", "splitzip_decode", "splitzip_encode", "wsum64", "wsum64_many"]

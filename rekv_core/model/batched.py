@@ -12,8 +12,8 @@ Why per-sequence attention and not a padded batch: at decode, attention reads ea
 whichever way it is laid out, and a padded batch would copy every joined cache into a shared
 `[B, n_kv, max_len, d_h]` block (or pre-allocate max_batch × max_context per layer) to save B − 1
 kernel calls per layer; on the CPU those calls cost a few percent of a step (design doc, the
-engine's section). A block table (paged cache) is the way to a single attention kernel and CUDA
-graphs per batch bucket on a GPU. On the CPU the engine passes `packed.PackedLinears.linear`,
+engine's section). On a GPU, where a step is bound by launches, `bucketed.BucketedDecoder` keeps
+the batch's caches in one slab and replays a CUDA graph per batch bucket. On the CPU the engine passes `packed.PackedLinears.linear`,
 whose prepacked weights make a GEMM over a few rows 1.7–2.4× faster.
 """
 
@@ -29,7 +29,7 @@ from rekv_core.model.cache import KVCache
 from rekv_core.model.layer import Linear, Model, final_logits, mlp, project_qkv, rms_norm
 
 
-def _check(model: Model, tokens: Sequence[int], caches: Sequence[KVCache]) -> None:
+def check_batch(model: Model, tokens: Sequence[int], caches: Sequence[KVCache]) -> None:
     if len(tokens) != len(caches) or not tokens:
         raise ValueError(f"tokens/caches: need the same nonzero number, got {len(tokens)} and "
                          f"{len(caches)}")
@@ -49,7 +49,7 @@ def batched_decode_step(model: Model, tokens: Sequence[int], caches: Sequence[KV
                         linear: Linear = linear) -> torch.Tensor:
     """Append one token to each cache; the logits after each, `[B, vocab]` float32. `linear`:
     how a weight is applied (`packed.PackedLinears.linear` on the CPU)."""
-    _check(model, tokens, caches)
+    check_batch(model, tokens, caches)
     device, shape = model.device, model.shape
     positions = [cache.length for cache in caches]
     ids = torch.tensor([int(t) for t in tokens], dtype=torch.long, device=device)

@@ -2,7 +2,8 @@
 
 Layout: one contiguous tensor per layer for keys and one for values, `[n_kv, capacity, d_h]`, filled
 up to `length` positions. All layers share `length`. A paged layout would replace `layer()` and
-`write()` with block-table lookups; callers only use those two methods and `length`.
+`write()` with block-table lookups; callers only use those two methods and `length`. `rebind`
+moves a cache's storage elsewhere (the bucketed decode step's slab) without the callers noticing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ class KVCache:
                                  f"from layer 0's {(n_kv, seq_len, head_dim)}")
             self.write(index, 0, k, v)
         self.length = seq_len
+
+    def rebind(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """From now on the cache's K and V are these per-layer `[n_kv, capacity, d_h]` tensors
+        (views of storage owned elsewhere); the caller has copied the filled positions there.
+        Empty tensors (capacity 0) leave the cache unusable: any later step or write fails."""
+        if len(keys) != self.num_layers or len(values) != self.num_layers:
+            raise ValueError(f"keys/values: need {self.num_layers} layers, got {len(keys)} and "
+                             f"{len(values)}")
+        self.keys, self.values = list(keys), list(values)
+        self.capacity = keys[0].shape[1]
 
     @property
     def num_layers(self) -> int:

@@ -19,6 +19,7 @@ capacity, its masked part zero); a graph replay is bit-identical to the eager st
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -29,6 +30,25 @@ GRAPH_WARMUPS = 2  # eager runs on a side stream before capture, as CUDA graphs 
 # One capture at a time per process (PyTorch's rule); each device captures on a stream of its own.
 _CAPTURE_LOCK = threading.Lock()
 _CAPTURE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def capture_graph(device: torch.device, forward: Callable[[], torch.Tensor]
+                  ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`forward` captured as a CUDA graph after `GRAPH_WARMUPS` eager runs on a side stream; the
+    graph and its output buffer (rewritten by each replay)."""
+    with _CAPTURE_LOCK, torch.cuda.device(device):
+        stream = _CAPTURE_STREAMS.setdefault(device, torch.cuda.Stream(device))
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(GRAPH_WARMUPS):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads (another request's handoff) may use the device meanwhile;
+        # they only may not capture, which the lock rules out
+        with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+            output = forward()
+    return graph, output
 
 
 class StaticDecoder:
@@ -62,20 +82,7 @@ class StaticDecoder:
         return final_logits(model, h[-1])
 
     def _capture(self) -> None:
-        device = self.model.device
-        with _CAPTURE_LOCK, torch.cuda.device(device):
-            stream = _CAPTURE_STREAMS.setdefault(device, torch.cuda.Stream(device))
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(GRAPH_WARMUPS):
-                    self._forward()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads (another request's handoff) may use the device
-            # meanwhile; they only may not capture, which the lock rules out
-            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-                self._logits = self._forward()
-            self._captured = graph
+        self._captured, self._logits = capture_graph(self.model.device, self._forward)
 
     @torch.inference_mode()
     def step(self, token_id: int) -> torch.Tensor:

@@ -55,7 +55,8 @@ class DecodeWorker(Worker):
     def _engine(self, settings: ServiceSettings, metrics: ServiceMetrics) -> DecodeEngine | None:
         if settings.decode_path != "batched":
             return None
-        step = engine_step(self.model)
+        step = engine_step(self.model, settings.max_batch,
+                           settings.max_prompt_tokens + settings.max_new_tokens)
         step_ms, token_layer_ms, per_key_ms = measure_costs(self.model, step)
         budget_ms = settings.itl_budget_ms or default_budget_ms(step_ms)
         log.info("decode engine: up to %d streams a step; ITL budget %.1f ms (%s); idle step "

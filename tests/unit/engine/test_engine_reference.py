@@ -15,6 +15,7 @@ import pytest
 from rekv_core.engine import DecodeEngine, engine_step
 from rekv_core.model import KVCache, greedy_generate, prefill
 from rekv_core.model.batched import batched_decode_step
+from rekv_core.model.bucketed import BucketedDecoder
 from rekv_core.model.sampling import Sampler, SamplingParams
 from tests.support.engine_fakes import Observed, budget, stream, wait
 
@@ -24,7 +25,8 @@ PROMPTS = {  # name: (prompt, new tokens)
     "c": ("Here is a list of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41, "
           "and the next ones are", 8),
 }
-STEPS = {"plain": lambda model: batched_decode_step, "engine_step": engine_step}
+STEPS = {"plain": lambda model: batched_decode_step, "engine_step": engine_step,
+         "bucketed": lambda model: BucketedDecoder(model, max_batch=4, capacity=256)}
 
 
 def _ready(model, ids, new_tokens, sampler):
