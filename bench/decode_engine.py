@@ -175,7 +175,8 @@ def variants(args) -> dict[str, tuple[str, int]]:
 
 def start_pairs(args, log_dir: Path) -> dict[str, ServicePair]:
     pinned = (os.cpu_count() or 1) >= 2
-    common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-prompt-tokens", "4096"]
+    common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-prompt-tokens", "4096",
+              "--max-new-tokens", str(max(512, args.long_tokens, args.new_tokens))]
     pairs = {}
     try:
         for name, (path, nice) in variants(args).items():
