@@ -1,0 +1,53 @@
+"""KVPR's token split: the closed form's l equals a brute-force search of the same time model over
+random costs and prompt lengths, the model's ends are the actions they stand for, and a token
+cheaper sent as KV than as its boundary row is never recomputed."""
+
+import random
+
+import pytest
+
+from rekv_core.model.blocks import EXEC_BLOCK
+from rekv_core.plan.token_split import (SplitCosts, allowed_splits, best_split,
+                                        brute_force_split, crossing, split_time)
+
+
+def _random_costs(rng: random.Random) -> SplitCosts:
+    return SplitCosts(boundary_row_ms=rng.choice([0.0, rng.uniform(0, 0.05)]),
+                      suffix_row_ms=rng.uniform(0, 0.2), recompute_row_ms=rng.uniform(0, 0.3),
+                      prefix_ms=rng.choice([0.0, rng.uniform(0, 500)]))
+
+
+@pytest.mark.parametrize("block", [1, 16, EXEC_BLOCK])
+def test_the_closed_form_equals_the_brute_force(block):
+    rng = random.Random(block)
+    for _ in range(400):
+        costs, seq_len = _random_costs(rng), rng.randint(1, 5000)
+        assert best_split(costs, seq_len, block) == brute_force_split(costs, seq_len, block), (
+            costs, seq_len)
+
+
+def test_between_two_grid_points_the_crossing_decides():
+    costs = SplitCosts(boundary_row_ms=0.01, suffix_row_ms=0.1, recompute_row_ms=0.1)
+    assert crossing(costs, 2048) == pytest.approx(1024)
+    assert best_split(costs, 2048) == 1024
+    assert best_split(costs, 2048, block=1) == 1024
+    heavy_prefix = SplitCosts(0.01, 0.1, 0.1, prefix_ms=1e6)  # the wire is long: recompute all
+    assert best_split(heavy_prefix, 2048) == 2048
+
+
+def test_a_boundary_row_dearer_than_its_kv_is_never_sent():
+    costs = SplitCosts(boundary_row_ms=0.2, suffix_row_ms=0.1, recompute_row_ms=0.0)
+    assert best_split(costs, 4096) == 0 == brute_force_split(costs, 4096)
+
+
+def test_the_ends_are_the_joint_action_and_the_whole_transfer():
+    costs = SplitCosts(boundary_row_ms=0.01, suffix_row_ms=0.1, recompute_row_ms=0.05,
+                       prefix_ms=30.0)
+    s = 1000
+    assert split_time(costs, s, s) == pytest.approx(0.01 * s + max(0.05 * s, 30.0))
+    assert split_time(costs, s, 0) == pytest.approx(0.1 * s + 30.0)
+    assert allowed_splits(600) == [0, 256, 512, 600]
+    with pytest.raises(ValueError, match="split"):
+        split_time(costs, s, s + 1)
+    with pytest.raises(ValueError, match="recompute_row_ms"):
+        SplitCosts(0.1, 0.1, -1.0)
