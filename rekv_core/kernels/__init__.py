@@ -3,7 +3,8 @@
 `quantize_groupwise` / `dequantize_groupwise`, `quantize_tokens` / `dequantize_tokens` (SpectrumKV's
 per-token tiers), `splitzip_encode` / `splitzip_decode`, `quantize_int4h` / `dequantize_int4h`
 (Hadamard-rotated INT4), `wsum64` and `poly61_many` (the keyed hash behind the seal's MAC over
-device buffers) and `decode_attention` (the batched decode step's attention over a slab of caches)
+device buffers) and `decode_attention` (the batched decode step's attention over a slab of caches),
+`lynx_split` / `lynx_merge` / `lynx_anchor_codes` (Lynx's anchor and residual streams of INT8 codes)
 pick the backend: the Triton kernel for CUDA tensors, the PyTorch reference
 otherwise; `backend="triton"` forces the kernel (on the CPU it then needs
 `TRITON_INTERPRET=1`), `backend="torch"` forces the reference. Triton is imported only when used.
@@ -18,6 +19,8 @@ from rekv_core.kernels.decode_attention_reference import decode_attention_refere
 from rekv_core.kernels.groupwise_reference import (GROUP_SIZE, dequantize_reference,
                                                    quantize_reference)
 from rekv_core.kernels.polymac_reference import Poly61Key, poly61_reference
+from rekv_core.kernels.lynx_reference import (anchor_codes_reference, merge_reference,
+                                               split_reference)
 from rekv_core.kernels.hadamard_reference import (dequantize_int4h_reference,
                                                   quantize_int4h_reference)
 from rekv_core.kernels.spectrum_reference import (dequantize_tokens_reference,
@@ -138,6 +141,31 @@ def poly61_many(buffers: list[torch.Tensor], key: Poly61Key, backend: str = "aut
     return [poly61_reference(b, key) for b in buffers]
 
 
+def lynx_split(codes: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """INT8 wire codes -> (anchor, residual) streams (contract in `lynx_reference.py`)."""
+    if _use_triton(codes.device, backend):
+        from rekv_core.kernels.lynx_triton import split_triton
+        return split_triton(codes)
+    return split_reference(codes)
+
+
+def lynx_merge(anchor: torch.Tensor, residual: torch.Tensor, backend: str = "auto"
+               ) -> torch.Tensor:
+    """The two streams -> the INT8 wire codes, bit for bit."""
+    if _use_triton(anchor.device, backend):
+        from rekv_core.kernels.lynx_triton import merge_triton
+        return merge_triton(anchor, residual)
+    return merge_reference(anchor, residual)
+
+
+def lynx_anchor_codes(anchor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """The anchor stream alone -> INT8 wire codes 16a + 8."""
+    if _use_triton(anchor.device, backend):
+        from rekv_core.kernels.lynx_triton import merge_triton
+        return merge_triton(anchor, None)
+    return anchor_codes_reference(anchor)
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      slots: torch.Tensor, lengths: torch.Tensor, backend: str = "auto"
                      ) -> torch.Tensor:
@@ -150,7 +178,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 __all__ = ["BACKENDS", "GROUP_SIZE", "SPLITZIP_CHUNK", "ExponentHistogram", "Poly61Key",
-           "calibrate_codebook", "decode_attention",
+           "calibrate_codebook", "decode_attention", "lynx_anchor_codes", "lynx_merge",
+           "lynx_split",
            "dequantize_groupwise", "dequantize_int4h", "dequantize_tokens", "quantize_groupwise",
            "quantize_int4h", "quantize_tokens",
            "poly61_many", "splitzip_decode", "splitzip_encode", "wsum64", "wsum64_many"]
