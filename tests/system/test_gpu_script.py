@@ -19,10 +19,10 @@ def test_the_dry_run_passes_every_step(tmp_path):
     assert not failed, f"{done.stdout[-2000:]}\n{failed}"
     assert done.returncode == 0
     names = [s["step"] for s in steps]
-    assert names == ["env", "cuda_tests", "kernels", "services", "executor", "batched", "codecs",
-                     "ttft", "handoff_smollm2-135m", "summary"]
+    assert names == ["env", "cuda_tests", "kernels", "services", "executor", "batched",
+                     "batched_gemm", "codecs", "ttft", "handoff_smollm2-135m", "summary"]
     for produced in ("env.json", "kernels.json", "services/services_e2e.json", "executor.json",
-                     "batched.json", "codecs.json", "ttft.json", "handoff-smollm2-135m.json",
+                     "batched.json", "batched-gemm.json", "codecs.json", "ttft.json", "handoff-smollm2-135m.json",
                      "summary.md", "summary.json"):
         assert (out / produced).stat().st_size > 0, produced
     summary = json.loads((out / "summary.json").read_text())
