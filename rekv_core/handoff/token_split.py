@@ -12,6 +12,12 @@ are recomputed from the boundary rows (`executor.run_layers_chunk` at position 0
 attention, so they need nothing of [l, S)). l must be a multiple of `EXEC_BLOCK` or S: then the
 recomputed rows run the kernels the prefill ran for them, and are bit-identical to the prefill's
 (from a lossless boundary); the received rows equal the codec's own round trip.
+
+KVPR's per-layer form (`layer_split_wire_bytes`, `recompute_layer_kv`): for one layer, send its
+input hidden states for tokens [0, l) and the layer's K and V for [l, S); the decode side
+recomputes K and V of [0, l) (the layer's norm, K and V projections and RoPE at the original
+positions), which equal the prefill's bit for bit on the same block grid. An input row is d values
+against a K and V row's 2·n_kv·d_h, so it pays only where n_h < 2·n_kv (multi-head attention).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from rekv_core.handoff.boundary import boundary_bytes
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import run_layers_chunk
-from rekv_core.model.layer import Model
+from rekv_core.model.layer import Model, project_qkv, rms_norm
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -84,3 +90,25 @@ def assemble_split_cache(model: Model, cut: int, boundary_rows: torch.Tensor,
         run_layers_chunk(model, boundary_rows, cut, 0, cache)
     cache.length = seq_len
     return cache
+
+
+def layer_split_wire_bytes(shape: ModelShape, seq_len: int, split: int, codec: Codec) -> WireBytes:
+    """One layer of the per-layer form: its BF16 input rows [0, l), its K and V of [l, S)."""
+    check_split(shape.num_layers, seq_len, 0, split)
+    sent = WireBytes(boundary=split * shape.hidden_size * BF16_BYTES)
+    if split < seq_len:
+        rows = codec.layer_bytes((shape.num_kv_heads, seq_len - split, shape.head_dim))
+        sent += WireBytes(prefix=rows.data, scales=rows.scales)
+    return sent
+
+
+@torch.inference_mode()
+def recompute_layer_kv(model: Model, layer: int, inputs: torch.Tensor) -> KV:
+    """K and V `[n_kv, l, d_h]` of `layer` for tokens [0, l) from the layer's input rows `[l, d]`."""
+    if not 0 <= layer < model.shape.num_layers:
+        raise ValueError(f"layer: must lie in [0, {model.shape.num_layers}), got {layer}")
+    lw = model.weights.layers[layer]
+    cos, sin = model.rope(torch.arange(inputs.shape[0], device=inputs.device))
+    _, k, v = project_qkv(model, lw, rms_norm(inputs, lw.attn_norm, model.shape.rms_eps), cos,
+                          sin)
+    return k, v

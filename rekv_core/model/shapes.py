@@ -113,6 +113,18 @@ PRESETS: dict[str, ModelShape] = {
                    rope_scaling=Llama3RopeScaling(factor=8.0, low_freq_factor=1.0,
                                                   high_freq_factor=4.0,
                                                   original_max_positions=8192)),
+        # Multi-head attention (n_kv = n_h), Llama-2-7B's shape: the model where KVPR's per-layer
+        # form pays (a layer's input row is half its K and V row; ReKV's Proposition 1)
+        ModelShape(name="llama-2-7b", family="llama", num_layers=32, hidden_size=4096,
+                   num_heads=32, num_kv_heads=32, head_dim=128, ffn_size=11008,
+                   vocab_size=32000, rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=False,
+                   max_positions=4096),
+        # Llama-2-7B's proportions at 1/8 of its width, sized for a CPU: the same depth (32),
+        # MHA, head_dim (128) and FFN ratio (2.7).
+        ModelShape(name="mini-llama-2-7b", family="llama", num_layers=32, hidden_size=512,
+                   num_heads=4, num_kv_heads=4, head_dim=128, ffn_size=1376,
+                   vocab_size=32000, rope_theta=10000.0, rms_eps=1e-5, tie_embeddings=False,
+                   max_positions=4096),
         # Qwen2.5-7B's proportions at 1/8 of its widths, sized for a CPU: the same depth (28), GQA
         # ratio (7:1), boundary-to-layer-KV ratio (d / 2·n_kv·d_h = 3.5) and FFN ratio (5.3).
         ModelShape(name="mini-qwen2.5-7b", family="qwen2", num_layers=28, hidden_size=448,

@@ -43,7 +43,8 @@ def test_embedded_gguf_shape_is_the_preset():
 
 
 @pytest.mark.parametrize("mini_name, full_name", [("mini-qwen2.5-7b", "qwen2.5-7b"),
-                                                  ("mini-qwen3-8b", "qwen3-8b")])
+                                                  ("mini-qwen3-8b", "qwen3-8b"),
+                                                  ("mini-llama-2-7b", "llama-2-7b")])
 def test_cpu_sized_presets_keep_their_models_proportions(mini_name, full_name):
     mini, full = get_preset(mini_name), get_preset(full_name)
     assert mini.num_layers == full.num_layers and mini.family == full.family
