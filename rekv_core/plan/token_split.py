@@ -23,13 +23,22 @@ the suffix layers' KV travel too). Otherwise T falls until the recompute meets t
 and rises after it; on the grid of allowed l the optimum is one of l_x's two neighbours (convexity),
 which `best_split` compares. `brute_force_split` evaluates every allowed l, for the tests.
 l = S is ReKV's joint action (T = a·S + max(g·S, P)); l = 0 sends the suffix layers' KV whole.
+
+`split_costs(inputs, codec, cut)` reads a, b, g and P off the planner's `CostInputs`: the link
+rate, the codec's bytes per token and layer, and γ (the suffix's cost per layer at this prompt
+length) spread evenly over the prompt's tokens. That charges the first l rows the average row's
+attention, which rows near the start do not pay: the model leans towards recomputing fewer rows
+than would pay.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rekv_core.codecs import get_codec
 from rekv_core.model.blocks import EXEC_BLOCK
+from rekv_core.plan.cost import CostInputs
+from rekv_core.units import BF16_BYTES
 
 
 @dataclass(frozen=True)
@@ -89,3 +98,18 @@ def best_split(costs: SplitCosts, seq_len: int, block: int = EXEC_BLOCK) -> int:
 def brute_force_split(costs: SplitCosts, seq_len: int, block: int = EXEC_BLOCK) -> int:
     return min(allowed_splits(seq_len, block),
                key=lambda l: (split_time(costs, seq_len, l), l))
+
+
+def split_costs(inputs: CostInputs, codec: str, cut: int) -> SplitCosts:
+    """a, b, g, P of a token split at `cut` with the prefix and suffix rows in `codec`."""
+    shape, seq_len = inputs.shape, inputs.prompt_len
+    if not 0 < cut < shape.num_layers:
+        raise ValueError(f"cut: must lie in (0, {shape.num_layers}), got {cut}")
+    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
+    layer = get_codec(codec).layer_bytes((shape.num_kv_heads, seq_len, shape.head_dim))
+    layer_ms = (layer.data + layer.scales) / per_ms
+    suffix_layers = shape.num_layers - cut
+    return SplitCosts(boundary_row_ms=shape.hidden_size * BF16_BYTES / per_ms,
+                      suffix_row_ms=suffix_layers * layer_ms / seq_len,
+                      recompute_row_ms=suffix_layers * inputs.suffix_ms_per_layer / seq_len,
+                      prefix_ms=cut * layer_ms)

@@ -51,3 +51,30 @@ def test_the_ends_are_the_joint_action_and_the_whole_transfer():
         split_time(costs, s, s + 1)
     with pytest.raises(ValueError, match="recompute_row_ms"):
         SplitCosts(0.1, 0.1, -1.0)
+
+
+def test_the_planners_inputs_move_the_split_the_right_way():
+    """From `CostInputs`: a slower link or a cheaper recompute recomputes more rows, a faster link
+    or a dearer recompute fewer; the per-token costs are the bytes and γ spread over the prompt."""
+    from rekv_core.model.shapes import get_preset
+    from rekv_core.plan.cost import CostInputs
+    from rekv_core.plan.token_split import split_costs
+
+    shape, s = get_preset("smollm2-135m"), 4096
+
+    def split(gbps, gamma):
+        inputs = CostInputs(shape, s, link_gbps=gbps, suffix_ms_per_layer=gamma)
+        return best_split(split_costs(inputs, "int8", 10), s)
+
+    costs = split_costs(CostInputs(shape, s, link_gbps=8.0, suffix_ms_per_layer=40.0), "bf16", 10)
+    per_ms = 8e9 / 8 / 1e3
+    assert costs.boundary_row_ms == pytest.approx(shape.hidden_size * 2 / per_ms)
+    assert costs.suffix_row_ms == pytest.approx(20 * 2 * shape.num_kv_heads * shape.head_dim * 2
+                                                / per_ms)
+    assert costs.recompute_row_ms == pytest.approx(20 * 40.0 / s)
+    assert costs.prefix_ms == pytest.approx(10 * shape.kv_layer_bytes(s) / per_ms)
+    assert split(1.0, 40.0) >= split(10.0, 40.0) >= split(100.0, 40.0)
+    assert split(10.0, 10.0) >= split(10.0, 40.0) >= split(10.0, 400.0)
+    assert split(0.1, 1.0) == s and split(1000.0, 4000.0) < s
+    with pytest.raises(ValueError, match="cut"):
+        split_costs(CostInputs(shape, s, link_gbps=8.0, suffix_ms_per_layer=40.0), "bf16", 0)
