@@ -38,13 +38,12 @@ def test_the_reference_is_each_sequences_own_attention(n_h, n_kv, d_h):
 def test_keys_past_a_sequences_length_do_not_reach_its_result():
     q, keys, values, slots, lengths = _slab(4, 2, 16, torch.float32)
     before = decode_attention_reference(q, keys, values, slots, lengths)
+    before_triton = decode_attention_triton(q, keys, values, slots, lengths)
     for slot, n in zip(slots.tolist(), lengths.tolist()):
         keys[slot, :, n:] = 1e4
         values[slot, :, n:] = float("nan")
     assert torch.equal(decode_attention_reference(q, keys, values, slots, lengths), before)
-    assert torch.equal(decode_attention_triton(q, keys, values, slots, lengths),
-                       decode_attention_triton(q, keys, values, slots, lengths))
-    assert not decode_attention_triton(q, keys, values, slots, lengths).isnan().any()
+    assert torch.equal(decode_attention_triton(q, keys, values, slots, lengths), before_triton)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1.6e-2)])

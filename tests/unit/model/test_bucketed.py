@@ -126,9 +126,7 @@ def test_graph_replays_equal_the_eager_bucketed_step_and_follow_the_plain_one(dt
     pairs = _gpu_streams(model, lengths, 1200)
     eager = BucketedDecoder(model, max_batch=8, capacity=1200, graph=False)
     graph = BucketedDecoder(model, max_batch=8, capacity=1200)
-    plain = [KVCache.from_layers([k[:, :c.length].clone() for k in c.keys],
-                                 [v[:, :c.length].clone() for v in c.values], 1200)
-             for c, _, _ in pairs]
+    plain = [_twin(c) for c, _, _ in pairs]
     tokens = [token for _, _, token in pairs]
     for step, batch in enumerate([[0], [0, 1], [0, 1, 2], [0, 1, 2, 3, 4], [0, 2, 4], [0, 2, 4],
                                   [0, 2, 4], [4], [4]]):

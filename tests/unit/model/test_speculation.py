@@ -40,7 +40,7 @@ def test_verified_drafts_are_greedy_decoding_on_the_int8_cache(smollm_fp32, cach
     want = decode_greedy(model, logits, _cache(full), NEW)
     exact = _cache(full)
     emitted = [int(logits.argmax())]
-    rounds = accepted = 0
+    accepted = 0
     while len(emitted) < NEW:
         anchor = _cache(rough)  # the anchor cache, caught up to the exact one's tokens
         anchor.load([k[:, :exact.length] for k in exact.keys],
@@ -50,7 +50,7 @@ def test_verified_drafts_are_greedy_decoding_on_the_int8_cache(smollm_fp32, cach
         drafts = draft(model, anchor, emitted[-1], 4)
         result = verify(model, exact, emitted[-1], drafts)
         emitted += result.emitted
-        rounds, accepted = rounds + 1, accepted + result.accepted
+        accepted += result.accepted
         assert exact.length == len(full[0][0][0]) + len(emitted) - 1
     assert emitted[:NEW] == want
     assert accepted > 0  # the anchor's drafts were worth something
