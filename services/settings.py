@@ -112,6 +112,9 @@ class ServiceSettings(RuntimeSettings):
     # less (the prefill runs in the boundary's chunks, each sent as it passes the cut, and the
     # decode worker's layers run on it while the next computes: `Order.TOKENS`)
     pipeline_prefill: bool = True
+    # prefill: let the planner rank KVPR's token splits (h_c of the first l tokens, the suffix
+    # layers' KV of the rest) where the decode worker takes them
+    token_split: bool = True
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
     boundary_chunk_tokens: int = 256

@@ -32,13 +32,24 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
     if message.cut > num_layers:
         raise InvalidArgument(f"{field}.cut: must lie in [0, {num_layers}], got {message.cut}")
     try:
-        return Action(message.codec, message.cut, num_layers, message.boundary or "bf16")
+        return Action(message.codec, message.cut, num_layers, message.boundary or "bf16",
+                      message.split_tokens)
     except ValueError as exc:
-        raise InvalidArgument(f"{field}.{exc}") from None
+        name, _, why = str(exc).partition(":")
+        name = "split_tokens" if name == "split" else name  # the proto's name of the field
+        raise InvalidArgument(f"{field}.{name}:{why}") from None
+
+
+def check_forced_split(forced: Action | None, prompt_len: int) -> None:
+    """A forced token split must leave tokens to send as KV."""
+    if forced is not None and forced.split and forced.split >= prompt_len:
+        raise InvalidArgument(f"forced_action.split_tokens: must be below the prompt's "
+                              f"{prompt_len} tokens, got {forced.split}")
 
 
 def action_to_proto(action: Action):
-    return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary)
+    return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary,
+                           split_tokens=action.split)
 
 
 def delivery_from_proto(message, field: str = "forced_schedule") -> Delivery:
@@ -175,6 +186,7 @@ def handoff_request(call: HandoffCall):
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
             accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens,
+            accepts_token_split=offer.accepts_token_split,
             model_fingerprint=offer.fingerprint, running_batch=offer.running_batch,
             itl_budget_ms=offer.itl_budget_ms, decode_step_ms=offer.decode_step_ms))
     if call.forced_action is not None:
@@ -237,6 +249,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           handoffs_in_flight=offer.handoffs_in_flight, costs=costs,
                           accepts_streamed=offer.accepts_streamed,
                           accepts_pipelined=offer.accepts_pipelined, chunk_tokens=chunk,
+                          accepts_token_split=offer.accepts_token_split,
                           computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers),

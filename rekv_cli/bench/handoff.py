@@ -39,6 +39,7 @@ from rekv_core.handoff.action import WireBytes, wire_bytes
 from rekv_core.handoff.seal import new_key
 from rekv_core.handoff.source import FinishedPrefill
 from rekv_core.handoff.transfer import Transfer
+from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.executor import Model, PrefillOutput, embed, prefill, run_layers
 from rekv_core.timing import median_seconds
 from rekv_core.transport.inprocess import InProcessLink
@@ -86,10 +87,14 @@ class BenchConfig:
     quant_codecs: Sequence[str] = ("int8", "int4")  # transfer-only
     joint_codecs: Sequence[str] = ("int8", "int4")
     sequential_codecs: Sequence[str] = ("int8",)  # also timed with the eq. 8 schedule
+    split_codecs: Sequence[str] = ("int8",)  # KVPR's token split, l = `SPLIT_TOKENS`, every cut
     warmups: int = 3
     runs: int = 10
     seed: int = 0
     extra: dict = field(default_factory=dict)  # recorded in the results' meta
+
+
+SPLIT_TOKENS = EXEC_BLOCK  # the token split's l in this sweep: one block, below every prompt
 
 
 def default_cuts(num_layers: int) -> list[int]:
@@ -109,6 +114,8 @@ def cases_for(num_layers: int, config: BenchConfig) -> list[Case]:
             cases.append(Case(Action(codec, c, num_layers)))
             if codec in config.sequential_codecs:
                 cases.append(Case(Action(codec, c, num_layers), ReceiveMode.SEQUENTIAL))
+    for codec in config.split_codecs:
+        cases += [Case(Action(codec, c, num_layers, split=SPLIT_TOKENS)) for c in cuts]
     return cases
 
 
@@ -152,7 +159,8 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
     def send() -> None:
         try:
             plan = HandoffPlan(case.action, len(ids), model.shape, Delivery.seed())
-            source = FinishedPrefill(state, ids, case.action.cut)
+            source = FinishedPrefill(state, ids, case.action.cut,
+                                     model.shape.num_layers if case.action.split else None)
             outcome["sender"] = send_handoff(link.sender, plan, source, Transfer(request_id),
                                              Sealing(key))
         except BaseException as exc:  # re-raised below, after the receiver is done
@@ -185,7 +193,8 @@ def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
     if received != expected:
         raise AssertionError(f"{action}: received {received}, byte model says {expected}")
     row = {"action": action.kind.value, "codec": action.codec if action.cut else "tokens",
-           "cut": action.cut, "schedule": case.mode.value, "prompt_len": prompt_len,
+           "cut": action.cut, "split": action.split, "schedule": case.mode.value,
+           "prompt_len": prompt_len,
            "link": link.label, "link_gbps": round(gbps, 6), "bytes": received.total,
            "bytes_by_kind": received.as_dict(), "runs": len(samples)}
     for part in PARTS:
@@ -219,6 +228,8 @@ def run_bench(model: Model, config: BenchConfig,
             point_rows = []
             with InProcessLink(bandwidth_gbps=gbps) as link:
                 for case in cases:
+                    if case.action.split >= S:  # a split needs tokens past it
+                        continue
                     for _ in range(config.warmups):
                         run_once(model, link, case, ids, state)
                     samples = [run_once(model, link, case, ids, state)

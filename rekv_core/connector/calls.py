@@ -47,6 +47,7 @@ class DecodeOffer:
     costs: DecodeCosts
     accepts_streamed: bool = True  # it takes a streamed handoff
     accepts_pipelined: bool = True  # it takes one in token order (`Order.TOKENS`)
+    accepts_token_split: bool = True  # it takes KVPR's token split (`Action.split`)
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done

@@ -139,7 +139,7 @@ class DecodeConnector:
                            codecs=offered_codecs(quality, self.options.codecs),
                            queue_depth=queue, handoffs_in_flight=in_flight,
                            costs=self.calibration.offer(prompt_len, self.load.sharers()),
-                           accepts_streamed=True, accepts_pipelined=True,
+                           accepts_streamed=True, accepts_pipelined=True, accepts_token_split=True,
                            chunk_tokens=self.options.chunk_tokens,
                            computing=self.load.computing(), backlog_ms=backlog.ms,
                            planned=backlog.planned, fingerprint=self.options.fingerprint,

@@ -8,7 +8,8 @@ the order a `Prefill.Handoff` call uses them:
 
 - `check(call)`: an offer from a worker of another model (`ModelMismatch`: its fingerprint is not
   `options.fingerprint`), a forced action or delivery this worker cannot serve (`BadRequest`
-  naming `forced_action.codec` or `forced_schedule.*`), or a forced lossy action under the
+  naming `forced_action.codec`, `forced_action.split_tokens` (a split not below the prompt's
+  length) or `forced_schedule.*`), or a forced lossy action under the
   `lossless` quality setting (naming `forced_action` and `quality`);
 - `decide(call, queue)`: the `Decision` among the actions the call's quality setting allows
   (`plan.quality`), whose `plan` (`HandoffPlan`) says what to send and how:
@@ -59,6 +60,7 @@ class PrefillOptions:
     stream_handoff: bool = True  # send from inside the prefill where the decode worker takes it
     pipeline_prefill: bool = True  # let the planner pick token order where it applies
     fingerprint: str = ""  # its model's fingerprint (hex, `handoff.fingerprint`)
+    token_split: bool = True  # let the planner rank token splits where the decode worker takes them
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,12 @@ class PrefillConnector:
                 self.planner.deployed(forced.codec)
             except ValueError as exc:
                 raise BadRequest(f"forced_action.codec: {exc}") from None
+        if forced is not None and forced.split and not call.offer.accepts_token_split:
+            raise BadRequest("forced_action.split_tokens: the decode worker does not take a "
+                             "token split")
+        if forced is not None and forced.split >= len(call.token_ids) > 0:
+            raise BadRequest(f"forced_action.split_tokens: must be below the prompt's "
+                             f"{len(call.token_ids)} tokens, got {forced.split}")
         self._delivery(call)
 
     def decide(self, call: HandoffCall, queue: int = 0) -> Decision:
@@ -117,12 +125,14 @@ class PrefillConnector:
         inputs = self.calibration.cost_inputs(
             self.shape, len(call.token_ids), costs, delivery.streamed, delivery.chunk_tokens,
             self._orders(call, delivery, queue),
-            Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen))
+            Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen),
+            token_splits=self.options.token_split and offer.accepts_token_split)
         decision = self.planner.decide(inputs, common_codecs(self.options.codecs, offer.codecs),
                                        costs.evidence, call.forced_action, call.quality)
+        share = decision.plan.boundary_rows / decision.plan.seq_len  # a split's first l rows
         self.assigned.add(offer.address, call.transfer_id,
                           (self.shape.num_layers - decision.action.cut)
-                          * costs.suffix_ms_per_layer)
+                          * costs.suffix_ms_per_layer * share)
         return decision
 
     def _delivery(self, call: HandoffCall) -> Delivery:
@@ -168,7 +178,8 @@ class PrefillConnector:
         the compute and for the last byte."""
         plan = decision.plan
         prompt_len = plan.seq_len
-        layers = plan.action.cut if plan.streamed else self.shape.num_layers
+        streamed_layers = self.shape.num_layers if plan.action.split else plan.action.cut
+        layers = streamed_layers if plan.streamed else self.shape.num_layers
         queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
             prompt_len, plan.streamed, call.offer.costs.suffix_scale))
         if layers and not self._compute.acquire(timeout=transfer.wait_s()):
@@ -195,16 +206,17 @@ class PrefillConnector:
 
     def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once) -> PrefillSource:
         cut, window = plan.action.cut, plan.codec.importance_window
+        through = self.shape.num_layers if plan.action.split else cut  # a split sends them all
         if plan.pipelined:
             return ChunkedPrefill(self.model, call.token_ids, cut, plan.chunk_tokens,
                                   on_done=release)
         if plan.streamed:
             return LivePrefill(self.model, call.token_ids, cut, on_done=release,
-                               importance_window=window)
+                               importance_window=window, through=through)
         out = prefill(self.model, call.token_ids, boundaries={cut, self.shape.num_layers},
                       importance_window=window)
         release()
-        return FinishedPrefill(out, call.token_ids, cut)
+        return FinishedPrefill(out, call.token_ids, cut, through)
 
     def probe(self, sender: TransportSender, probe_id: str, key: bytes | None,
               timeout_s: float) -> ProbeSent:

@@ -10,6 +10,14 @@ recomputed on the decode side. The seed's five actions are the cases of that pai
 | `bf16_recompute`  | 0 < c < L   | bf16           | BF16 prefix KV + BF16 boundary h_c (eq. 5)  |
 | `token_recompute` | c = 0       | (none)         | the prompt's token ids, int32               |
 | `joint`           | 0 < c < L   | int8, int4, …  | b-bit prefix KV + BF16 boundary h_c (eq. 7) |
+| `token_split`     | 0 < c < L   | any            | KVPR: h_c of tokens [0, l) only, and layers |
+|                   |             |                | c..L−1's KV of tokens [l, S) in codec b     |
+
+A token split (`split` l > 0, KVPR's action, `handoff.token_split`) sends the boundary for the
+first l tokens only, which the decode side recomputes layers c..L−1 for, while those layers' KV of
+tokens [l, S) arrives in the codec with the prefix; the last position's final hidden state (`head`)
+gives the first logits, as for transfer-only. l is a multiple of `EXEC_BLOCK` below the prompt's
+length (so the recomputed rows are bit-identical to the prefill's); `split` 0 is no split.
 
 An interior cut's boundary travels as BF16 or SplitZip-coded (`boundary`, see `handoff.boundary`):
 lossless either way, so it leaves the kind and the quality gate's verdict as they are.
@@ -29,6 +37,7 @@ from functools import cached_property
 
 from rekv_core.codecs import BASELINE_CODEC, Codec, LayerBytes, get_codec
 from rekv_core.handoff.boundary import boundary_bytes, check_coding
+from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import ModelShape
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -39,6 +48,7 @@ class ActionKind(str, enum.Enum):
     BF16_RECOMPUTE = "bf16_recompute"
     TOKEN_RECOMPUTE = "token_recompute"
     JOINT = "joint"
+    TOKEN_SPLIT = "token_split"
 
 
 @dataclass(frozen=True)
@@ -47,10 +57,17 @@ class Action:
     cut: int  # c, the first recomputed layer
     num_layers: int  # L
     boundary: str = "bf16"  # how h_c travels (`BOUNDARY_CODINGS`); bf16 unless 0 < c < L
+    split: int = 0  # l: the boundary's tokens (KVPR's token split); 0: every token's, no split
 
     def __post_init__(self) -> None:
         if not 0 <= self.cut <= self.num_layers:
             raise ValueError(f"cut: must lie in [0, {self.num_layers}], got {self.cut}")
+        if type(self.split) is not int or self.split < 0 or self.split % EXEC_BLOCK:
+            raise ValueError(f"split: must be a multiple of {EXEC_BLOCK} (0: no split), got "
+                             f"{self.split!r}")
+        if self.split and not 0 < self.cut < self.num_layers:
+            raise ValueError(f"split: a token split needs an interior cut, cut is {self.cut} of "
+                             f"{self.num_layers}")
         self.registered_codec  # raises ValueError naming the registered codecs
         if check_coding(self.boundary) != "bf16" and not self.sends_boundary:
             raise ValueError(f"boundary: only an interior cut sends one, cut is {self.cut} of "
@@ -71,6 +88,8 @@ class Action:
 
     @property
     def kind(self) -> ActionKind:
+        if self.split:
+            return ActionKind.TOKEN_SPLIT
         if self.cut == 0:
             return ActionKind.TOKEN_RECOMPUTE
         lossless = self.registered_codec.lossless
@@ -82,7 +101,7 @@ class Action:
     def lossless(self) -> bool:
         """The decode side ends with exactly the prefill's cache: token-only, or a lossless
         codec. Such actions need no quality gate."""
-        return self.cut == 0 or self.registered_codec.lossless
+        return (self.cut == 0 and not self.split) or self.registered_codec.lossless
 
     @property
     def sends_boundary(self) -> bool:
@@ -96,9 +115,17 @@ class Action:
     def suffix_layers(self) -> range:
         return range(self.cut, self.num_layers)
 
+    def check_prompt(self, seq_len: int) -> None:
+        """ValueError naming `split` when the split leaves no token to send as KV."""
+        if self.split and self.split >= seq_len:
+            raise ValueError(f"split: must be below the prompt's {seq_len} tokens, got "
+                             f"{self.split}")
+
     def __str__(self) -> str:
         boundary = f", boundary={self.boundary}" if self.boundary != "bf16" else ""
-        return f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}{boundary})"
+        split = f", split={self.split}" if self.split else ""
+        return (f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}"
+                f"{boundary}{split})")
 
 
 @dataclass(frozen=True)
@@ -138,6 +165,9 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     if action.num_layers != shape.num_layers:
         raise ValueError(f"action: built for {action.num_layers} layers, model {shape.name} has "
                          f"{shape.num_layers}")
+    if action.split:
+        action.check_prompt(seq_len)
+        return _split_bytes(action, shape, seq_len)
     if action.cut == 0:
         return WireBytes(tokens=seq_len * TOKEN_ID_BYTES)
     per_layer = WireBytes.of_layer(action.registered_codec.layer_bytes(
@@ -148,3 +178,16 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     else:
         total += WireBytes(head=shape.hidden_size * BF16_BYTES)
     return total
+
+
+def _split_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
+    """A token split: the prefix layers whole, the suffix layers' rows [l, S), the boundary's
+    rows [0, l), the head."""
+    n_kv, d_h, codec = shape.num_kv_heads, shape.head_dim, action.registered_codec
+    whole = codec.layer_bytes((n_kv, seq_len, d_h))
+    rows = codec.layer_bytes((n_kv, seq_len - action.split, d_h))
+    suffix = shape.num_layers - action.cut
+    return WireBytes(boundary=boundary_bytes(action.split * shape.hidden_size, action.boundary),
+                     prefix=whole.data * action.cut + rows.data * suffix,
+                     scales=whole.scales * action.cut + rows.scales * suffix,
+                     head=shape.hidden_size * BF16_BYTES)

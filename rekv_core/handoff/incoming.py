@@ -8,7 +8,9 @@ order (`next_chunk`), and keeps the head; the kinds may come in any order (a str
 the prefix layers as they are computed, then the boundary; a pipelined one, `row_chunks`, each
 prefix layer in those row ranges, `layer.{i}.{k}`, each layer's in chunk order, interleaved with the
 boundary's chunks). Any
-other message, a second copy, or one out of its kind's order is a `TransportError`. `run()` never
+other message, a second copy, or one out of its kind's order is a `TransportError`. A token split
+(`Action.split` l) also sends layers c..L−1, each its rows [l, S) (restored there; a failure in
+one costs the handoff, not only a prefix layer), and the head. `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it. With
 `keep_verified`, a prefix layer whose message fails its seal (MAC, decryption), its checksums or
 its codec's layout is lost instead (`losses`) and the reading goes on; a message that fails its
@@ -99,6 +101,7 @@ class Incoming:
         self.kv_shape = plan.kv_shape
         self.num_chunks = len(plan.boundary_chunks)
         self.row_chunks = plan.prefix_row_chunks
+        self.split = plan.action.split
         self.keep_verified = keep_verified
         self.losses: dict[int, BaseException] = {}  # prefix layer -> why its bytes were refused
         self._restored = [0] * self.action.cut  # per prefix layer, its messages restored
@@ -145,18 +148,23 @@ class Incoming:
         if self.row_chunks is not None:
             self._receive_in_token_order()
             return
+        sent = L if self.split else c  # a token split sends rows [l, S) of layers c..L−1
+        with_head = c == L or bool(self.split)
         layer = chunk = 0
-        for _ in range(c + self.num_chunks + (c == L)):
+        for _ in range(sent + self.num_chunks + with_head):
             message = self._next()
-            if layer < c and message.name == layer_name(layer):
-                self._restore_or_lose(layer, message)
+            if layer < sent and message.name == layer_name(layer):
+                if layer < c:
+                    self._restore_or_lose(layer, message)
+                else:  # not a prefix layer: a failure costs the handoff (no salvage)
+                    self._restore(layer, _opened(message), self.split)
                 layer += 1
-                if layer == c:
+                if layer == sent:
                     self.done = time.perf_counter()
             elif chunk < self.num_chunks and message.name == boundary_name(chunk):
                 self._hand_over(message)
                 chunk += 1
-            elif message.name == HEAD and c == L and layer == c:
+            elif message.name == HEAD and with_head and layer == sent and self.head is None:
                 self.head = _opened(message)
             else:
                 _opened(message)  # a refused one: its seal's error

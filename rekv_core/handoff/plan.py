@@ -14,7 +14,8 @@
   its deadline (0: none).
 
 `to_bytes()` is the plan's wire form, the first message of every handoff (`wire.PLAN`: a JSON
-object of the action, the prompt length, the model's dimensions, the prediction and the delivery);
+object of the action (with a token split's l), the prompt length, the model's dimensions, the
+prediction and the delivery);
 `from_bytes(raw, shape)` reads it back against the receiver's model (`ValueError` naming the field).
 The codebook does not travel: every coded buffer carries its own in its header.
 
@@ -113,6 +114,12 @@ class HandoffPlan:
             raise ValueError(f"seq_len: must be a positive integer, got {self.seq_len!r}")
         if not (isinstance(self.predicted_ms, (int, float)) and 0 <= self.predicted_ms < math.inf):
             raise ValueError(f"predicted_ms: must be finite and >= 0, got {self.predicted_ms!r}")
+        try:
+            self.action.check_prompt(self.seq_len)
+        except ValueError as exc:
+            raise ValueError(f"action: {exc}") from None
+        if self.delivery.pipelined and self.action.split:
+            raise ValueError("pipelined: a token split goes in layer order")
         if self.delivery.pipelined and not self.action.sends_boundary:
             raise ValueError("pipelined: needs an interior cut (0 < c < L)")
         if self.delivery.pipelined and self.codec.importance_window:
@@ -137,11 +144,16 @@ class HandoffPlan:
         return (self.shape.num_kv_heads, self.seq_len, self.shape.head_dim)
 
     @property
+    def boundary_rows(self) -> int:
+        """The tokens whose h_c travels: the split's first l, else all (interior cuts)."""
+        return self.action.split or self.seq_len
+
+    @property
     def boundary_chunks(self) -> list[tuple[int, int]]:
         """Row ranges of the boundary's chunks; none unless the cut is interior."""
         if not self.action.sends_boundary:
             return []
-        return chunk_bounds(self.seq_len, self.delivery.chunk_tokens)
+        return chunk_bounds(self.boundary_rows, self.delivery.chunk_tokens)
 
     @property
     def prefix_row_chunks(self) -> list[tuple[int, int]] | None:
@@ -156,6 +168,7 @@ class HandoffPlan:
             "hidden_size": s.hidden_size, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "expect_ms": self.predicted_ms, "streamed": d.streamed,
             "chunk_tokens": d.chunk_tokens, "boundary": a.boundary, "pipelined": d.pipelined,
+            "split": a.split,
         }).encode()
 
     @classmethod
@@ -172,7 +185,7 @@ class HandoffPlan:
         if data:
             raise ValueError(f"plan: unknown fields {sorted(data)}")
         for name in ("cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim",
-                     "chunk_tokens"):
+                     "chunk_tokens", "split"):
             if type(fields[name]) is not int or fields[name] < 0:
                 raise ValueError(f"plan: {name} must be a non-negative integer, got "
                                  f"{fields[name]!r}")
@@ -192,7 +205,7 @@ class HandoffPlan:
                              f"receiver's {theirs}")
         try:
             action = Action(fields["codec"], fields["cut"], fields["num_layers"],
-                            fields["boundary"])
+                            fields["boundary"], fields["split"])
             delivery = Delivery(fields["streamed"], fields["chunk_tokens"],
                                 Order.TOKENS if fields["pipelined"] else Order.LAYERS)
             return cls(action, fields["seq_len"], shape, delivery,
@@ -203,4 +216,4 @@ class HandoffPlan:
 
 _REQUIRED = ("codec", "cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim")
 _OPTIONAL = {"expect_ms": 0.0, "streamed": False, "chunk_tokens": 0, "boundary": "bf16",
-             "pipelined": False}
+             "pipelined": False, "split": 0}

@@ -173,7 +173,8 @@ def _receive(model: Model, inbound: Inbound, receiving: Receiving, start: float,
              cache: KVCache | None) -> HandoffResult:
     plan = HandoffPlan.from_bytes(inbound.expect(PLAN).header, model.shape)
     work = receiving.work or _NoWork()
-    work.planned(model.shape.num_layers - plan.action.cut, plan.seq_len)
+    # rows to compute here: a token split's first l, else every token
+    work.planned(model.shape.num_layers - plan.action.cut, plan.boundary_rows)
     if plan.predicted_ms > 0:
         inbound.transfer.expect_within(allowed_s(plan.predicted_ms / 1e3))
     inbound.transfer.advance(TransferState.BOUNDARY)
@@ -208,7 +209,7 @@ def _recompute_prompt(model: Model, inbound: Inbound, plan: HandoffPlan, cache: 
 
 @dataclass(frozen=True)
 class _Suffix:
-    logits: torch.Tensor
+    logits: torch.Tensor | None  # None for a token split
     began: float  # the first chunk in hand, its compute starting
     ended: float
     compute_s: float  # the chunks' compute, without the waits between them
@@ -236,7 +237,8 @@ def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCa
             transfer.advance(TransferState.PREFIX)
         h = run_layers_in_turns(model, rows, plan.action.cut, model.shape.num_layers, s0, cache,
                                 turns)
-    logits = final_logits(model, h[-1])
+    # a token split's last row is not recomputed: its logits come from the head
+    logits = None if plan.action.split else final_logits(model, h[-1])
     if cuda:
         torch.cuda.current_stream(model.device).synchronize()
     return _Suffix(logits, began, time.perf_counter(), turns.compute_s, wire)
@@ -287,13 +289,14 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
     received = WireBytes(boundary=suffix.wire_bytes if suffix else 0)
     boundary_at = suffix.began if suffix else start
     join_start = max(incoming.done, suffix.ended if suffix else 0.0)
-    if suffix is None:
-        head = decode_chunk(incoming.head, (hidden,), "bf16", inbound.sealing.sealed)
-        logits = final_logits(model, head.to(model.device, model.dtype))
+    if suffix is None or action.split:
+        logits = _head_logits(model, incoming)
         received += WireBytes(head=hidden * BF16_BYTES)
+    if suffix is None:
         r_seconds, computing = 0.0, incoming.decoding_began
     else:
-        logits, r_seconds = suffix.logits, suffix.compute_s
+        logits = suffix.logits if suffix.logits is not None else logits
+        r_seconds = suffix.compute_s
         computing = min(suffix.began, incoming.decoding_began or suffix.began)
     cache.length = S
     incoming.join_compute_stream()
@@ -305,6 +308,13 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
                          inbound.link_sample(before=computing))
 
 
+def _head_logits(model: Model, incoming: Incoming) -> torch.Tensor:
+    """The first logits from the head message (transfer-only, a token split)."""
+    head = decode_chunk(incoming.head, (model.shape.hidden_size,), "bf16",
+                        incoming.inbound.sealing.sealed)
+    return final_logits(model, head.to(model.device, model.dtype))
+
+
 def _raise_what_is_lost(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCache,
                         suffix: _Suffix | None) -> None:
     """The reading failed or lost layers: `PartialHandoff` when only prefix layers are lost and
@@ -312,12 +322,14 @@ def _raise_what_is_lost(model: Model, plan: HandoffPlan, incoming: Incoming, cac
     cause = incoming.error or next(iter(incoming.losses.values()))
     verified = incoming.verified()
     lost_only_prefix = incoming.keep_verified and len(verified) < plan.action.cut
-    if lost_only_prefix and suffix is not None:
+    head_bytes = WireBytes(head=model.shape.hidden_size * BF16_BYTES)
+    if lost_only_prefix and suffix is not None and not plan.action.split:
         logits, received = suffix.logits, WireBytes(boundary=suffix.wire_bytes)
+    elif lost_only_prefix and suffix is not None and incoming.head is not None:
+        logits = _head_logits(model, incoming)
+        received = WireBytes(boundary=suffix.wire_bytes) + head_bytes
     elif lost_only_prefix and not plan.action.sends_boundary and incoming.head is not None:
-        head = decode_chunk(incoming.head, (model.shape.hidden_size,), "bf16")
-        logits = final_logits(model, head.to(model.device, model.dtype))
-        received = WireBytes(head=model.shape.hidden_size * BF16_BYTES)
+        logits, received = _head_logits(model, incoming), head_bytes
     else:
         raise cause
     cache.length = plan.seq_len

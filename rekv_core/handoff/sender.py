@@ -9,7 +9,11 @@ has computed it, then the boundary chunks once it has reached the cut (the last 
 it starts the decode side's link sample, which the boundary's first chunk, queued behind it,
 completes); from a prefill in token chunks (`ChunkedPrefill`, pipelined), each chunk's boundary
 rows as soon as the chunk has reached the cut, then its rows of each prefix layer, encoded on
-their own; for transfer-only, the last position's final hidden state last. It returns the
+their own; for transfer-only, the last position's final hidden state last. A token split
+(`Action.split` l) sends every layer from a source that runs them all (`through` = L): the prefix
+layers whole, the suffix layers' rows [l, S), and the boundary's rows [0, l) first from a finished
+prefill or right after layer c − 1 from a live one (the decode side recomputes them while the
+suffix rows are still coming); then the head. It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
 message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
@@ -99,6 +103,10 @@ def _check_source(plan: HandoffPlan, source: PrefillSource) -> None:
                          f"{plan.seq_len}")
     if source.cut != plan.action.cut:
         raise ValueError(f"source: stops at cut {source.cut}, the plan's is {plan.action.cut}")
+    through = plan.action.num_layers if plan.action.split else plan.action.cut
+    if not source.pipelined and source.through != through:
+        raise ValueError(f"source: yields layers [0, {source.through}), the plan sends "
+                         f"[0, {through})")
     if source.pipelined and source.bounds != plan.boundary_chunks:
         raise ValueError("source: a prefill in token chunks must run in the boundary's chunks")
 
@@ -159,24 +167,31 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
         return report
 
     quantize = 0.0
+    split = action.split
     with contextlib.closing(source.layers()) as layers:
         for layer in layers:
             streams.follow(stream, source.device)  # after the compute that produced the layer
             # and its K and V are not given to another tensor before the encoding has read them
             streams.wait_ready(None, (layer.keys, layer.values), stream)
+            keys, values, importance = layer.keys, layer.values, layer.importance
+            if layer.index >= action.cut:  # a token split's suffix layer: rows [l, S)
+                keys, values = keys[:, split:].contiguous(), values[:, split:].contiguous()
+                importance = None if importance is None else importance[split:]
             start = time.perf_counter()
             with streams.on_stream(stream):
                 encoded = plan.codec.encode(
-                    layer.keys, layer.values, checksums=not send.sealed,
-                    context=EncodeContext(token_importance=layer.importance))
+                    keys, values, checksums=not send.sealed,
+                    context=EncodeContext(token_importance=importance))
             quantize += time.perf_counter() - start
             send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
                  state=TransferState.PREFIX)
             sent += WireBytes.of_layer(encoded.layer_bytes())
-    if action.sends_boundary and source.streamed:
+            if split and source.streamed and layer.index == action.cut - 1:
+                sent += _send_boundary(plan, source, stream, send)  # recompute starts early
+    if action.sends_boundary and source.streamed and not split:
         sent += _send_boundary(plan, source, stream, send)
 
-    if action.cut == action.num_layers:
+    if action.cut == action.num_layers or split:
         streams.follow(stream, source.device)
         with streams.on_stream(stream):
             head = source.head().to(torch.bfloat16)
@@ -221,7 +236,7 @@ def _send_boundary(plan: HandoffPlan, source: PrefillSource, stream, send: _Post
     streams.follow(stream, source.device)
     sent = WireBytes()
     with streams.on_stream(stream):
-        h_c = source.boundary().to(torch.bfloat16)
+        h_c = source.boundary()[:plan.boundary_rows].to(torch.bfloat16)
         codebook = chunk_codebook(h_c, plan.action.boundary, plan.boundary_codebook)
     for chunk, (s0, s1) in enumerate(plan.boundary_chunks):
         sent += _send_boundary_chunk(plan, chunk, h_c[s0:s1], codebook, stream, send)

@@ -7,6 +7,10 @@ transfer-only, the last position's final hidden state (`head()`, once `layers()`
 
 - `FinishedPrefill(state, token_ids, cut)`: from a `PrefillOutput` that ran every layer (the
   seed's schedule: the handoff starts once the prefill is done, and the boundary goes first).
+
+Both that and `LivePrefill` take `through` (default: the cut): `layers()` yields layers
+[0, through), and `head()` is the final hidden state after layer through − 1 (a token split sends
+layers past the cut too, `through` = L, and the head).
 - `LivePrefill(model, token_ids, cut)`: runs the prefill one layer at a time as the sender asks for
   the next one, so layer i is encoded and on the wire while layer i+1 computes, and stops at the
   cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). With
@@ -70,13 +74,15 @@ class PrefillSource(Protocol):
 class FinishedPrefill:
     streamed = pipelined = False
 
-    def __init__(self, state: PrefillOutput, token_ids: Sequence[int], cut: int):
+    def __init__(self, state: PrefillOutput, token_ids: Sequence[int], cut: int,
+                 through: int | None = None):
         self.state, self.token_ids, self.cut = state, token_ids, cut
+        self.through = cut if through is None else through
         self.device = state.keys[0].device if state.keys else torch.device("cpu")
 
     def layers(self) -> Iterator[ProducedLayer]:
         scores = self.state.importance
-        for index in range(self.cut):
+        for index in range(self.through):
             yield ProducedLayer(index, self.state.keys[index], self.state.values[index],
                                 scores[index] if index < len(scores) else None)
 
@@ -105,17 +111,23 @@ class LivePrefill(_ComputingSource):
     streamed, pipelined = True, False
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
-                 on_done: Callable[[], None] | None = None, importance_window: int = 0):
+                 on_done: Callable[[], None] | None = None, importance_window: int = 0,
+                 through: int | None = None):
         if not 0 <= cut <= model.shape.num_layers:
             raise ValueError(f"cut: must lie in [0, {model.shape.num_layers}], got {cut}")
         self.model, self.token_ids, self.cut = model, token_ids, cut
+        self.through = cut if through is None else through
+        if not cut <= self.through <= model.shape.num_layers:
+            raise ValueError(f"through: must lie in [{cut}, {model.shape.num_layers}], got "
+                             f"{self.through}")
         self.importance_window = importance_window
         self.device = model.device
         super().__init__(on_done)
         self._h: torch.Tensor | None = None
+        self._last: torch.Tensor | None = None
 
     def layers(self) -> Iterator[ProducedLayer]:
-        if self.cut == 0:  # token-only: nothing to compute
+        if self.through == 0:  # token-only: nothing to compute
             self.close()
             return
         model = self.model
@@ -123,10 +135,12 @@ class LivePrefill(_ComputingSource):
         try:
             with torch.inference_mode():
                 h = embed(model, self.token_ids)
-                for step in iter_layers(model, h, 0, self.cut,
+                for step in iter_layers(model, h, 0, self.through,
                                         importance_window=self.importance_window):
-                    if step.index == self.cut - 1:  # the cut: h_c exists with the last KV
+                    if step.index == self.cut - 1:  # the cut: h_c exists with the layer's KV
                         self._h = step.hidden_out
+                    if step.index == self.through - 1:
+                        self._last = step.hidden_out
                         if model.device.type == "cuda":
                             torch.cuda.current_stream(model.device).synchronize()
                         self.close()
@@ -142,7 +156,9 @@ class LivePrefill(_ComputingSource):
         return self._h
 
     def head(self) -> torch.Tensor:
-        return self.boundary()[-1]
+        if self._last is None:
+            raise RuntimeError("head: the prefill has not reached its last layer")
+        return self._last[-1]
 
 
 class ChunkedPrefill(_ComputingSource):

@@ -13,7 +13,9 @@ prefill has computed it, so the boundary chunks come after the prefix layers (th
 only once it has computed layer c−1); a receiver takes each kind in its own order and the kinds in
 any order. A pipelined handoff (`Order.TOKENS`: the prefill runs in the boundary's token chunks)
 sends, for each chunk in turn, its boundary rows and then its rows of every prefix layer,
-`layer.{i}.{k}` (`layer_rows_name`: layer i, chunk k, encoded on their own).
+`layer.{i}.{k}` (`layer_rows_name`: layer i, chunk k, encoded on their own). A token split
+(`Action.split` l) sends the boundary's rows [0, l) only, `layer.0` … `layer.{L-1}` (layers c and
+on: their rows [l, S)) and `head` last.
 
 `WIRE_FORMAT` is the version of this layout (with the plan's and boundary's headers); it is part of
 the model fingerprint (`handoff.fingerprint`), so workers that lay a handoff out differently never
@@ -25,7 +27,8 @@ from __future__ import annotations
 import torch
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
-WIRE_FORMAT = 2  # bump when a message's name, order, header or seal changes (2: MAC over bytes)
+WIRE_FORMAT = 3  # bump when a message's name, order, header or seal changes (2: MAC over
+# bytes; 3: the plan's token split, and its suffix rows and head)
 
 
 def layer_name(index: int) -> str:

@@ -59,8 +59,15 @@ cut, so there the term hardly moves). With nothing else in flight it is 0 and T 
 load it keeps the cut between the ends, where the two pools serve the most requests, instead of
 swinging it from one end to the other as the queues move.
 
-`choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec and returns the
-predictions sorted by predicted time; the first is the choice.
+A token split (KVPR's, `Action.split` l, `_predict_split`): every layer computed on the prefill
+side, the boundary's rows [0, l) first (after a full prefill) or right after layer c − 1
+(streamed), each layer's coded rows (the prefix layers whole, the others [l, S)) serialized on the link as
+computed, the head last; the decode side recomputes layers c..L−1 for [0, l) chunk by chunk from
+each arrival: R = (L − c)·γ·l/S.
+
+`choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec (and, where
+`inputs.token_splits`, each interior cut's token split at the closed form's l: `split_actions`,
+`split_costs`) and returns the predictions sorted by predicted time; the first is the choice.
 """
 
 from __future__ import annotations
@@ -69,11 +76,13 @@ import dataclasses
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, Order, WireBytes, wire_bytes
 from rekv_core.handoff.plan import can_pipeline
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.evidence import FREE, CodecCost
+from rekv_core.plan.token_split import SplitCosts, best_split
 from rekv_core.units import BF16_BYTES, MiB
 
 
@@ -95,6 +104,7 @@ class CostInputs:
     # applies (`pipelinable`), layer order where it does not
     orders: frozenset[Order] = frozenset({Order.LAYERS})
     link_measured: bool = True  # false: `link_gbps` is a prior, not a measurement
+    token_splits: bool = False  # rank KVPR's token splits too (both workers take them)
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
     prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
     decode_queue: int = 0  # other requests computing on the decode worker now
@@ -130,7 +140,8 @@ class Prediction:
 
     def as_dict(self) -> dict:
         return {"action": self.action.kind.value, "codec": self.action.codec,
-                "cut": self.action.cut, "predicted_ms": self.total_ms, "h_ms": self.h_ms,
+                "cut": self.action.cut, "split": self.action.split,
+                "predicted_ms": self.total_ms, "h_ms": self.h_ms,
                 "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes,
                 "prefill_ms": self.prefill_ms, "load_ms": self.load_ms,
                 "pipelined": self.pipelined}
@@ -138,7 +149,9 @@ class Prediction:
 
 def predict(action: Action, inputs: CostInputs) -> Prediction:
     """T of `action` under `inputs`' schedule, with its load term."""
-    if not inputs.streamed:
+    if action.split:
+        p = _predict_split(action, inputs)
+    elif not inputs.streamed:
         p = _predict_after_prefill(action, inputs)
     else:
         p = _predict_streamed(action, inputs)
@@ -237,6 +250,61 @@ def _predict_pipelined(action: Action, inputs: CostInputs) -> Prediction:
                       join, wire.total, c * gamma_p, pipelined=True)
 
 
+def _predict_split(action: Action, inputs: CostInputs) -> Prediction:
+    """A token split (KVPR's, `Action.split` l): every layer is computed on the prefill side (the
+    suffix layers' rows [l, S) travel), the boundary's rows [0, l) go first (after a full
+    prefill) or right after layer c − 1 (streamed), each layer's coded rows follow as the link
+    serializes them, and the head last. The decode side recomputes layers c..L−1 for rows
+    [0, l), chunk by chunk as the boundary lands: R = (L − c)·γ·l/S, γ spread evenly over the
+    prompt's rows (rows near the start attend to fewer keys: the model overstates R a little)."""
+    shape, S = inputs.shape, inputs.prompt_len
+    L, c, l = shape.num_layers, action.cut, action.split
+    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
+    wire = wire_bytes(action, shape, S)
+    m, lat, join = inputs.message_ms, inputs.link_latency_ms, inputs.join_ms
+    alpha, restore = _alpha_ms(action, inputs)
+    kept = (S - l) / S  # a suffix layer's share of rows on the wire
+    codec = action.registered_codec
+    whole = WireBytes.of_layer(codec.layer_bytes((shape.num_kv_heads, S, shape.head_dim)))
+    rows = WireBytes.of_layer(codec.layer_bytes((shape.num_kv_heads, S - l, shape.head_dim)))
+    layer_ms = [(whole.prefix + whole.scales) / per_ms + m] * c + [
+        (rows.prefix + rows.scales) / per_ms + m] * (L - c)
+    encode = [alpha] * c + [alpha * kept] * (L - c)
+    coding = _boundary_ms_per_mib(action, inputs) * shape.hidden_size * BF16_BYTES / MiB
+    row_ms = wire.boundary / l / per_ms + coding
+    chunks = chunk_bounds(l, inputs.chunk_tokens)
+    gamma_p, wait = inputs.prefill_ms_per_layer, inputs.prefill_wait_ms
+    r = (L - c) * inputs.suffix_ms_per_layer * l / S
+    if inputs.streamed:
+        ready, link_free, boundary_at = wait, wait, wait
+    else:  # the whole prefill first, then the boundary
+        ready = link_free = wait + L * gamma_p
+        boundary_at = link_free
+    arrivals: list[tuple[float, int]] = []
+
+    def send_boundary(at: float) -> float:
+        for s0, s1 in chunks:
+            at += (s1 - s0) * row_ms + m
+            arrivals.append((at, s1 - s0))
+        return at
+
+    if not inputs.streamed:
+        link_free = send_boundary(boundary_at)
+    for i in range(L):
+        ready += (gamma_p if inputs.streamed else 0.0) + encode[i]
+        link_free = max(link_free, ready) + layer_ms[i]
+        if inputs.streamed and i == c - 1:
+            link_free = send_boundary(link_free)
+    prefix_end = link_free + wire.head / per_ms + m + restore * max(kept, 1.0 / L)
+    suffix_end = max(0.0, inputs.decode_wait_ms - lat)
+    for at, n in arrivals:
+        suffix_end = max(suffix_end, at) + r * n / l
+    first = arrivals[0][0]
+    end = max(suffix_end, prefix_end)
+    return Prediction(action, lat + end + join, lat + first, max(0.0, prefix_end - first), r,
+                      join, wire.total, L * gamma_p)
+
+
 def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     shape, S = inputs.shape, inputs.prompt_len
     L, c = shape.num_layers, action.cut
@@ -290,8 +358,43 @@ def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:
     return actions
 
 
+def split_actions(inputs: CostInputs, codecs: Iterable[str]) -> list[Action]:
+    """KVPR's token splits: for each codec and interior cut, the split l of the closed form
+    (`token_split.best_split`), where it is one (0 < l < S)."""
+    L, S = inputs.shape.num_layers, inputs.prompt_len
+    actions = []
+    for codec in dict.fromkeys(codecs):
+        for c in range(1, L):
+            l = best_split(split_costs(inputs, codec, c), S)
+            if 0 < l < S:
+                actions.append(Action(codec, c, L, split=l))
+    return actions
+
+
 def choose(inputs: CostInputs, codecs: Iterable[str]) -> list[Prediction]:
-    """Predictions of every candidate, cheapest first (ties: fewer bytes first)."""
-    predictions = [predict(a, inputs) for a in candidate_actions(inputs.shape, codecs)]
+    """Predictions of every candidate, cheapest first (ties: fewer bytes first); token splits
+    too where `inputs.token_splits`."""
+    codecs = list(codecs)
+    actions = candidate_actions(inputs.shape, codecs)
+    if inputs.token_splits:
+        actions += split_actions(inputs, codecs)
+    predictions = [predict(a, inputs) for a in actions]
     return sorted(predictions, key=lambda p: (p.total_ms, p.bytes))
 
+
+def split_costs(inputs: CostInputs, codec: str, cut: int) -> SplitCosts:
+    """a, b, g and P (after a full prefill) or P₀ (streamed) of a token split at `cut` with the
+    prefix and suffix rows in `codec` (`token_split`'s time model)."""
+    shape, seq_len = inputs.shape, inputs.prompt_len
+    if not 0 < cut < shape.num_layers:
+        raise ValueError(f"cut: must lie in (0, {shape.num_layers}), got {cut}")
+    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
+    layer = get_codec(codec).layer_bytes((shape.num_kv_heads, seq_len, shape.head_dim))
+    layer_ms = (layer.data + layer.scales) / per_ms
+    suffix_layers = shape.num_layers - cut
+    prefix_ms = cut * layer_ms
+    return SplitCosts(boundary_row_ms=shape.hidden_size * BF16_BYTES / per_ms,
+                      suffix_row_ms=suffix_layers * layer_ms / seq_len,
+                      recompute_row_ms=suffix_layers * inputs.suffix_ms_per_layer / seq_len,
+                      prefix_ms=0.0 if inputs.streamed else prefix_ms,
+                      prefix_first_ms=prefix_ms if inputs.streamed else 0.0)

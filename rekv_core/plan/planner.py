@@ -120,7 +120,8 @@ class Decision:
 
     def as_dict(self) -> dict:
         return {"chosen": {"action": self.action.kind.value, "codec": self.action.codec,
-                           "cut": self.action.cut, "predicted_ms": self.predicted_ms,
+                           "cut": self.action.cut, "split": self.action.split,
+                           "predicted_ms": self.predicted_ms,
                            "pipelined": self.pipelined},
                 "rule": self.rule.value,
                 "candidates": [{**p.as_dict(), "model_ms": p.total_ms, "predicted_ms": ms}
@@ -284,8 +285,11 @@ def samples_link(action: Action, inputs: CostInputs, pipelined: bool = False) ->
     prefix = wire.prefix + wire.scales
     if action.cut == shape.num_layers:
         return prefix + wire.head >= LINK_SAMPLE_BYTES
-    s0, s1 = chunk_bounds(S, inputs.chunk_tokens)[0]
+    s0, s1 = chunk_bounds(action.split or S, inputs.chunk_tokens)[0]
     first_chunk = (s1 - s0) * shape.hidden_size * BF16_BYTES
+    if action.split:  # only the prefix layers go ahead of a split's boundary
+        prefix = wire_bytes(Action(action.codec, action.cut, shape.num_layers), shape, S)
+        prefix = prefix.prefix + prefix.scales
     ahead = prefix if inputs.streamed and not pipelined else 0
     return first_chunk + ahead >= LINK_SAMPLE_BYTES
 
@@ -340,12 +344,13 @@ def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int, pipelined:
 
 def _nearest_measured(action: Action, usable: Mapping[Action, Measured]
                       ) -> tuple[Action, Measured] | None:
-    """The measured action with the same codec whose cut is nearest (token-only has none)."""
+    """The measured action with the same codec whose cut is nearest (token-only has none; a token
+    split's is a split's, whose time has another shape)."""
     if action.cut == 0:
         return None
     best = None
     for other, seen in usable.items():
-        if other.codec != action.codec or other.cut == 0:
+        if other.codec != action.codec or other.cut == 0 or bool(other.split) != bool(action.split):
             continue
         rank = (abs(other.cut - action.cut), -seen.count)
         if best is None or rank < best[0]:

@@ -9,7 +9,10 @@ JSON written by `rekv gate`, read by the planner and the services:
 
 A codec's eligible cuts are 1..max_cut (layers 0..c−1 travel in that codec; fewer quantized layers
 never add error, so a passing cut vouches for every smaller one); `max_cut: 0` means the codec is
-not eligible. Lossless actions (`Action.lossless`: token-only, BF16) are always eligible. The
+not eligible. A lossy token split (KVPR's, `Action.split`) codes layers 0..c−1 whole and layers
+c..L−1's rows [l, S): a subset of what the codec's transfer-only action (c = L) codes, so it is
+eligible where that is (`max_cut` = L), and its recomputed rows are exact. Lossless actions
+(`Action.lossless`: token-only, BF16, and a split in a lossless codec) are always eligible. The
 embedded model's policy ships in `rekv_core/plan/policies/`.
 """
 
@@ -40,7 +43,9 @@ class Policy:
         self.meta = PolicyMeta.from_json(self.meta)  # a dict, as the file has it, is read
 
     def eligible(self, action: Action) -> bool:
-        return action.lossless or (action.cut <= self.max_cut.get(action.codec, 0)
+        # a token split codes rows of every layer: the codec's cut at L vouches for it
+        cut = action.num_layers if action.split else action.cut
+        return action.lossless or (cut <= self.max_cut.get(action.codec, 0)
                                    and deployed_codec(action.codec, self.meta) is not None)
 
     def splitzip_codebook(self, kind: str) -> list[int] | None:

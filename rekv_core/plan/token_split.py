@@ -14,6 +14,9 @@ the suffix rows, then the prefix; the recompute starts once the boundary rows ar
 
     T(l) = a·l + max(g·l, b·(S − l) + P)
 
+(streamed, the prefill sends the prefix layers as it computes them and the boundary right after
+the last of them: P₀ + a·l + max(g·l, b·(S − l)), the prefix a constant P₀ ahead, P = 0).
+
 T is convex in l (a line plus the larger of a rising and a falling one). Where a ≥ b a token is
 cheaper sent as KV than as its boundary row, and T only rises: l* = 0 (every row sent; with c < L
 the suffix layers' KV travel too). Otherwise T falls until the recompute meets the wire,
@@ -24,9 +27,9 @@ and rises after it; on the grid of allowed l the optimum is one of l_x's two nei
 which `best_split` compares. `brute_force_split` evaluates every allowed l, for the tests.
 l = S is ReKV's joint action (T = a·S + max(g·S, P)); l = 0 sends the suffix layers' KV whole.
 
-`split_costs(inputs, codec, cut)` reads a, b, g and P off the planner's `CostInputs`: the link
-rate, the codec's bytes per token and layer, and γ (the suffix's cost per layer at this prompt
-length) spread evenly over the prompt's tokens. That charges the first l rows the average row's
+`cost.split_costs(inputs, codec, cut)` reads a, b, g and P (or P₀) off the planner's
+`CostInputs`: the link rate, the codec's bytes per token and layer, and γ (the suffix's cost per
+layer at this prompt length) spread evenly over the prompt's tokens. That charges the first l rows the average row's
 attention, which rows near the start do not pay: the model leans towards recomputing fewer rows
 than would pay.
 """
@@ -35,10 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rekv_core.codecs import get_codec
 from rekv_core.model.blocks import EXEC_BLOCK
-from rekv_core.plan.cost import CostInputs
-from rekv_core.units import BF16_BYTES
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,12 @@ class SplitCosts:
     boundary_row_ms: float  # a
     suffix_row_ms: float  # b
     recompute_row_ms: float  # g
-    prefix_ms: float = 0.0  # P
+    prefix_ms: float = 0.0  # P, when the prefix follows the suffix rows
+    prefix_first_ms: float = 0.0  # P₀, when the prefix goes before the boundary (streamed)
 
     def __post_init__(self) -> None:
-        for name in ("boundary_row_ms", "suffix_row_ms", "recompute_row_ms", "prefix_ms"):
+        for name in ("boundary_row_ms", "suffix_row_ms", "recompute_row_ms", "prefix_ms",
+                     "prefix_first_ms"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name}: must be >= 0, got {value}")
@@ -73,7 +75,8 @@ def split_time(costs: SplitCosts, seq_len: int, split: int) -> float:
     if not 0 <= split <= seq_len:
         raise ValueError(f"split: must lie in [0, {seq_len}], got {split}")
     a, b, g = costs.boundary_row_ms, costs.suffix_row_ms, costs.recompute_row_ms
-    return a * split + max(g * split, b * (seq_len - split) + costs.prefix_ms)
+    return (costs.prefix_first_ms + a * split
+            + max(g * split, b * (seq_len - split) + costs.prefix_ms))
 
 
 def crossing(costs: SplitCosts, seq_len: int) -> float:
@@ -98,18 +101,3 @@ def best_split(costs: SplitCosts, seq_len: int, block: int = EXEC_BLOCK) -> int:
 def brute_force_split(costs: SplitCosts, seq_len: int, block: int = EXEC_BLOCK) -> int:
     return min(allowed_splits(seq_len, block),
                key=lambda l: (split_time(costs, seq_len, l), l))
-
-
-def split_costs(inputs: CostInputs, codec: str, cut: int) -> SplitCosts:
-    """a, b, g, P of a token split at `cut` with the prefix and suffix rows in `codec`."""
-    shape, seq_len = inputs.shape, inputs.prompt_len
-    if not 0 < cut < shape.num_layers:
-        raise ValueError(f"cut: must lie in (0, {shape.num_layers}), got {cut}")
-    per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
-    layer = get_codec(codec).layer_bytes((shape.num_kv_heads, seq_len, shape.head_dim))
-    layer_ms = (layer.data + layer.scales) / per_ms
-    suffix_layers = shape.num_layers - cut
-    return SplitCosts(boundary_row_ms=shape.hidden_size * BF16_BYTES / per_ms,
-                      suffix_row_ms=suffix_layers * layer_ms / seq_len,
-                      recompute_row_ms=suffix_layers * inputs.suffix_ms_per_layer / seq_len,
-                      prefix_ms=cut * layer_ms)

@@ -82,7 +82,9 @@ class DecodeWorker(Worker):
             raise InvalidArgument(f"max_new_tokens: must lie in [1, "
                                   f"{self.settings.max_new_tokens}], got {call.max_new_tokens}")
         wire_convert.check_forced_quality(call.forced_action, self.quality(call))
-        return self._tokenize(call)
+        ids = self._tokenize(call)
+        wire_convert.check_forced_split(call.forced_action, len(ids))
+        return ids
 
     def quality(self, call: GenerateCall) -> Quality:
         return call.quality or Quality(self.settings.quality)

@@ -35,7 +35,8 @@ def test_small_run_writes_rows_for_every_action(tmp_path):
     # 5 transfer/token actions + bf16 and int8, int4 at cut 15 + int8 sequential, per link rate
     assert len(rows) == 2 * 7
     assert all(ROW_KEYS <= set(r) for r in rows)
-    assert {r["action"] for r in rows} == {k.value for k in ActionKind}
+    # every kind but the token split, whose l (256) needs a longer prompt: skipped at 24 tokens
+    assert {r["action"] for r in rows} == {k.value for k in ActionKind} - {"token_split"}
     assert {r["link_gbps"] for r in rows if r["link"] == "2"} == {2.0}
     starts = [t for r in rows for t in r["samples_started_s"]]
     assert len(set(starts)) == len(starts) == 2 * 7 * 3  # every sample is its own run

@@ -118,6 +118,31 @@ def test_a_pipelined_handoff_reproduces_the_reference(services, reference, token
     assert "forced_schedule.pipelined" in error.value.details()
 
 
+def test_a_token_split_reproduces_the_reference(services, reference, tokenizer):
+    """KVPR's token split, forced over the control plane: h_c of the first 256 tokens, layers
+    15..29's KV of the rest, the head; the decode worker recomputes rows [0, 256) of layers 15..29
+    while the rest arrives. Streamed and after a full prefill: the reference's tokens, and the
+    bytes of the formula. A split not below the prompt's length is refused naming the field."""
+    prompt = PROMPTS[2] * 3
+    prompt_len = len(tokenizer.encode(prompt))
+    assert 256 < prompt_len <= MAX_PROMPT
+    action = Action("bf16", 15, SHAPE.num_layers, split=256)
+    for schedule in ((True, 256), (False, 0)):
+        result = _run(services, f"split-{schedule[0]}", prompt, 16, ("bf16", 15, "bf16", 256),
+                      forced_schedule=schedule)
+        s = result.summary
+        assert s.action_kind == "token_split" and s.action.split_tokens == 256, s
+        assert s.schedule.streamed == schedule[0] and not s.fallback
+        assert result.token_ids == reference(prompt, 16)
+        want = wire_bytes(action, SHAPE, prompt_len)
+        assert (s.bytes.boundary, s.bytes.prefix + s.bytes.scales, s.bytes.head) == (
+            want.boundary, want.prefix + want.scales, want.head)
+    with pytest.raises(grpc.RpcError) as error:
+        _run(services, "split-long", "Hello", 4, ("bf16", 15, "bf16", 256))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forced_action.split_tokens" in error.value.details()
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -185,6 +210,8 @@ def test_planner_chooses_among_the_actions_its_policy_allows(services, tokenizer
     ({"n": MAX_NEW + 1}, "max_new_tokens"),
     ({"forced": ("int3", 10)}, "forced_action.codec"),
     ({"forced": ("int8", 31)}, "forced_action.cut"),
+    ({"forced": ("int8", 10, "bf16", 100)}, "forced_action.split_tokens"),
+    ({"forced": ("int8", 30, "bf16", 256)}, "forced_action.split_tokens"),
     ({"sampling": {"temperature": 1.0, "top_p": 1.5}}, "sampling.top_p"),
     ({"request_id": ""}, "request_id"),
 ])

@@ -53,22 +53,29 @@ def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) ->
     """One action at one point, from the client's results for it."""
     median, (low, high) = median_ci(result["samples_ms"])
     kind, codec, cut, streamed, chunk, boundary, *order = result["used"][-1]
+    split = order[1] if len(order) > 1 else 0  # a token split's l (clients since issue 30)
     planner = result["forced"] is None
-    schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0, bool(order and order[0]))
+    schedule = schedule_class(streamed, chunk if kind in INTERIOR + ("token_split",) else 0,
+                              bool(order and order[0]))
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
             "schedule": schedule.value, "chunk_tokens": chunk,
             "boundary": boundary,
             "label": ("planner: " if planner else "") + _label(kind, codec, cut)
-            + ("+zb" if boundary != "bf16" else "") + f" {schedule.value}",
+            + ("+zb" if boundary != "bf16" else "") + (f" l={split}" if split else "")
+            + f" {schedule.value}",
             "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
-            "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary), shape, S).total,
+            "split": split,
+            "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary, split), shape,
+                                S).total,
             "median_ms": median, "ci95_ms": [low, high],
             "predicted_ms": statistics.median(result["predicted_ms"]),
             "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])
                                 for part in ("Q", "H", "X", "R", "J")},
             "samples_ms": result["samples_ms"], "fallbacks": result["fallbacks"],
-            "handoff_median_ms": statistics.median(result["handoff_ms"])}
+            "handoff_median_ms": statistics.median(result["handoff_ms"]),
+            # with several new tokens: the call to the last token, the client's clock
+            "last_token_ms": result.get("last_token_ms") or None}
 
 
 def point_summary(S: int, rate: LinkRate, gbps: float, rows: list[dict], balanced: float

@@ -283,7 +283,7 @@ class _Sweep:
 
 
 def run_client(prefix: list[str], address: str, S: int, vocab: int, actions: list,
-               config: LinkBenchConfig, seed: int = 0) -> list[dict]:
+               config: LinkBenchConfig, seed: int = 0, new_tokens: int = 1) -> list[dict]:
     """The link client (`rekv_cli.bench.link.client`) under `prefix` (e.g. inside the decode
     namespace): `config.warmups` and `config.runs` rounds of one request per case of `actions`."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
@@ -291,7 +291,7 @@ def run_client(prefix: list[str], address: str, S: int, vocab: int, actions: lis
     command = [*prefix, sys.executable, "-m", "rekv_cli.bench.link.client", "--decode", address,
                "--prompt-len", str(S), "--vocab", str(vocab), "--actions", json.dumps(actions),
                "--warmups", str(config.warmups), "--runs", str(config.runs), "--seed", str(seed),
-               "--out", path]
+               "--out", path, "--new-tokens", str(new_tokens)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"link client failed: {result.stderr[-3000:]}")

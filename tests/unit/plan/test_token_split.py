@@ -58,7 +58,7 @@ def test_the_planners_inputs_move_the_split_the_right_way():
     or a dearer recompute fewer; the per-token costs are the bytes and γ spread over the prompt."""
     from rekv_core.model.shapes import get_preset
     from rekv_core.plan.cost import CostInputs
-    from rekv_core.plan.token_split import split_costs
+    from rekv_core.plan.cost import split_costs
 
     shape, s = get_preset("smollm2-135m"), 4096
 
