@@ -35,16 +35,23 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
         return Action(message.codec, message.cut, num_layers, message.boundary or "bf16",
                       message.split_tokens)
     except ValueError as exc:
-        name, _, why = str(exc).partition(":")
-        name = "split_tokens" if name == "split" else name  # the proto's name of the field
-        raise InvalidArgument(f"{field}.{name}:{why}") from None
+        raise InvalidArgument(_action_field(field, exc)) from None
+
+
+def _action_field(field: str, exc: ValueError) -> str:
+    """An `Action`'s "name: why" as "field.name: why", in the proto's names of its fields."""
+    name, _, why = str(exc).partition(":")
+    name = "split_tokens" if name == "split" else name
+    return f"{field}.{name}:{why}"
 
 
 def check_forced_split(forced: Action | None, prompt_len: int) -> None:
     """A forced token split must leave tokens to send as KV."""
-    if forced is not None and forced.split and forced.split >= prompt_len:
-        raise InvalidArgument(f"forced_action.split_tokens: must be below the prompt's "
-                              f"{prompt_len} tokens, got {forced.split}")
+    try:
+        if forced is not None:
+            forced.check_prompt(prompt_len)
+    except ValueError as exc:
+        raise InvalidArgument(_action_field("forced_action", exc)) from None
 
 
 def action_to_proto(action: Action):

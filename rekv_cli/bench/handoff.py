@@ -159,8 +159,7 @@ def run_once(model: Model, link: InProcessLink, case: Case, ids: Sequence[int],
     def send() -> None:
         try:
             plan = HandoffPlan(case.action, len(ids), model.shape, Delivery.seed())
-            source = FinishedPrefill(state, ids, case.action.cut,
-                                     model.shape.num_layers if case.action.split else None)
+            source = FinishedPrefill(state, ids, case.action.cut, case.action.sent_layers)
             outcome["sender"] = send_handoff(link.sender, plan, source, Transfer(request_id),
                                              Sealing(key))
         except BaseException as exc:  # re-raised below, after the receiver is done

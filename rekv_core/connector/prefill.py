@@ -108,9 +108,12 @@ class PrefillConnector:
         if forced is not None and forced.split and not call.offer.accepts_token_split:
             raise BadRequest("forced_action.split_tokens: the decode worker does not take a "
                              "token split")
-        if forced is not None and forced.split >= len(call.token_ids) > 0:
-            raise BadRequest(f"forced_action.split_tokens: must be below the prompt's "
-                             f"{len(call.token_ids)} tokens, got {forced.split}")
+        if forced is not None and call.token_ids:
+            try:
+                forced.check_prompt(len(call.token_ids))
+            except ValueError as exc:  # "split: ...", the proto's split_tokens
+                raise BadRequest(f"forced_action.{exc}".replace(".split:", ".split_tokens:")
+                                 ) from None
         self._delivery(call)
 
     def decide(self, call: HandoffCall, queue: int = 0) -> Decision:
@@ -178,8 +181,7 @@ class PrefillConnector:
         the compute and for the last byte."""
         plan = decision.plan
         prompt_len = plan.seq_len
-        streamed_layers = self.shape.num_layers if plan.action.split else plan.action.cut
-        layers = streamed_layers if plan.streamed else self.shape.num_layers
+        layers = plan.action.sent_layers if plan.streamed else self.shape.num_layers
         queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
             prompt_len, plan.streamed, call.offer.costs.suffix_scale))
         if layers and not self._compute.acquire(timeout=transfer.wait_s()):
@@ -206,7 +208,7 @@ class PrefillConnector:
 
     def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once) -> PrefillSource:
         cut, window = plan.action.cut, plan.codec.importance_window
-        through = self.shape.num_layers if plan.action.split else cut  # a split sends them all
+        through = plan.action.sent_layers
         if plan.pipelined:
             return ChunkedPrefill(self.model, call.token_ids, cut, plan.chunk_tokens,
                                   on_done=release)

@@ -108,6 +108,17 @@ class Action:
         return 0 < self.cut < self.num_layers
 
     @property
+    def sent_layers(self) -> int:
+        """How many layers' KV travel, from layer 0: the prefix's c, or for a token split every
+        layer (its suffix layers' rows [l, S))."""
+        return self.num_layers if self.split else self.cut
+
+    @property
+    def sends_head(self) -> bool:
+        """The last position's final hidden state travels: transfer-only, a token split."""
+        return self.cut == self.num_layers or bool(self.split)
+
+    @property
     def prefix_layers(self) -> range:
         return range(self.cut) if self.cut else range(0)
 

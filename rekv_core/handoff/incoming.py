@@ -144,12 +144,11 @@ class Incoming:
         return message
 
     def _receive_all(self) -> None:
-        c, L = self.action.cut, self.action.num_layers
+        c = self.action.cut
         if self.row_chunks is not None:
             self._receive_in_token_order()
             return
-        sent = L if self.split else c  # a token split sends rows [l, S) of layers c..L−1
-        with_head = c == L or bool(self.split)
+        sent, with_head = self.action.sent_layers, self.action.sends_head
         layer = chunk = 0
         for _ in range(sent + self.num_chunks + with_head):
             message = self._next()
@@ -169,7 +168,7 @@ class Incoming:
             else:
                 _opened(message)  # a refused one: its seal's error
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
-                                     f"{message.name!r} (after {layer} of {c} layers and "
+                                     f"{message.name!r} (after {layer} of {sent} layers and "
                                      f"{chunk} of {self.num_chunks} boundary chunks)")
 
     def _receive_in_token_order(self) -> None:

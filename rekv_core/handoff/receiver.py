@@ -289,13 +289,14 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
     received = WireBytes(boundary=suffix.wire_bytes if suffix else 0)
     boundary_at = suffix.began if suffix else start
     join_start = max(incoming.done, suffix.ended if suffix else 0.0)
-    if suffix is None or action.split:
+    if action.sends_head:
         logits = _head_logits(model, incoming)
         received += WireBytes(head=hidden * BF16_BYTES)
+    else:
+        logits = suffix.logits
     if suffix is None:
         r_seconds, computing = 0.0, incoming.decoding_began
     else:
-        logits = suffix.logits if suffix.logits is not None else logits
         r_seconds = suffix.compute_s
         computing = min(suffix.began, incoming.decoding_began or suffix.began)
     cache.length = S

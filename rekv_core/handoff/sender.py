@@ -103,10 +103,9 @@ def _check_source(plan: HandoffPlan, source: PrefillSource) -> None:
                          f"{plan.seq_len}")
     if source.cut != plan.action.cut:
         raise ValueError(f"source: stops at cut {source.cut}, the plan's is {plan.action.cut}")
-    through = plan.action.num_layers if plan.action.split else plan.action.cut
-    if not source.pipelined and source.through != through:
+    if not source.pipelined and source.through != plan.action.sent_layers:
         raise ValueError(f"source: yields layers [0, {source.through}), the plan sends "
-                         f"[0, {through})")
+                         f"[0, {plan.action.sent_layers})")
     if source.pipelined and source.bounds != plan.boundary_chunks:
         raise ValueError("source: a prefill in token chunks must run in the boundary's chunks")
 
@@ -191,7 +190,7 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
     if action.sends_boundary and source.streamed and not split:
         sent += _send_boundary(plan, source, stream, send)
 
-    if action.cut == action.num_layers or split:
+    if action.sends_head:
         streams.follow(stream, source.device)
         with streams.on_stream(stream):
             head = source.head().to(torch.bfloat16)

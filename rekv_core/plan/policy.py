@@ -44,7 +44,7 @@ class Policy:
 
     def eligible(self, action: Action) -> bool:
         # a token split codes rows of every layer: the codec's cut at L vouches for it
-        cut = action.num_layers if action.split else action.cut
+        cut = action.sent_layers
         return action.lossless or (cut <= self.max_cut.get(action.codec, 0)
                                    and deployed_codec(action.codec, self.meta) is not None)
 

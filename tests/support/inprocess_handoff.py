@@ -30,8 +30,7 @@ def planned(model, ids, action, source, chunk_tokens=0, codec=None, predicted_ms
     """(plan, source): `source` a `PrefillOutput` (made a `FinishedPrefill`) or any source; the
     plan goes as the source does (streamed, token order) with the boundary in `chunk_tokens`."""
     if isinstance(source, PrefillOutput):
-        through = action.num_layers if action.split else action.cut  # a split sends them all
-        source = FinishedPrefill(source, ids, action.cut, through)
+        source = FinishedPrefill(source, ids, action.cut, action.sent_layers)
     delivery = Delivery(source.streamed, chunk_tokens,
                         Order.TOKENS if source.pipelined else Order.LAYERS)
     return HandoffPlan(action, len(ids), model.shape, delivery, codec,

@@ -26,7 +26,7 @@ from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import ModelShape
 
 SINGLE_MECHANISMS = ("bf16_transfer", "quant_transfer", "bf16_recompute", "token_recompute")
-INTERIOR = ("joint", "bf16_recompute")  # kinds with a boundary
+INTERIOR = ("joint", "bf16_recompute", "token_split")  # kinds with a boundary
 LINK_PAIRED = (("(d)/(e)", "chunked_over_local"), ("(a)/(d)", "baseline_over_chunked"),
                ("(b)/(d)", "seed_over_chunked"), ("(d')/(e)", "pipelined_over_local"),
                ("(a)/(d')", "baseline_over_pipelined"), ("(b)/(d')", "seed_over_pipelined")
@@ -55,8 +55,7 @@ def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) ->
     kind, codec, cut, streamed, chunk, boundary, *order = result["used"][-1]
     split = order[1] if len(order) > 1 else 0  # a token split's l (clients since issue 30)
     planner = result["forced"] is None
-    schedule = schedule_class(streamed, chunk if kind in INTERIOR + ("token_split",) else 0,
-                              bool(order and order[0]))
+    schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0, bool(order and order[0]))
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
             "action": kind, "codec": codec, "cut": cut, "planner": planner,
             "schedule": schedule.value, "chunk_tokens": chunk,
