@@ -19,6 +19,12 @@ tokens [l, S) arrives in the codec with the prefix; the last position's final hi
 gives the first logits, as for transfer-only. l is a multiple of `EXEC_BLOCK` below the prompt's
 length (so the recomputed rows are bit-identical to the prefill's); `split` 0 is no split.
 
+Lynx's progressive streams (`progressive`, an `int8` action with c ≥ 1, no split) send the same
+bytes in another order: every sent layer's anchor (the codes' top four bits, with the scales)
+before any layer's residual (the low four bits), so the decode side drafts tokens on the anchor
+cache while the residuals arrive and verifies them on the full `int8` cache (`codecs.lynx`,
+`handoff.residuals`). Once verified it is the `int8` action: the same kind, the same gate verdict.
+
 An interior cut's boundary travels as BF16 or SplitZip-coded (`boundary`, see `handoff.boundary`):
 lossless either way, so it leaves the kind and the quality gate's verdict as they are.
 
@@ -36,6 +42,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from rekv_core.codecs import BASELINE_CODEC, Codec, LayerBytes, get_codec
+from rekv_core.codecs.lynx import BASE_CODEC as PROGRESSIVE_CODEC
 from rekv_core.handoff.boundary import boundary_bytes, check_coding
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import ModelShape
@@ -58,6 +65,7 @@ class Action:
     num_layers: int  # L
     boundary: str = "bf16"  # how h_c travels (`BOUNDARY_CODINGS`); bf16 unless 0 < c < L
     split: int = 0  # l: the boundary's tokens (KVPR's token split); 0: every token's, no split
+    progressive: bool = False  # Lynx: every layer's anchor before any residual (int8 only)
 
     def __post_init__(self) -> None:
         if not 0 <= self.cut <= self.num_layers:
@@ -69,6 +77,12 @@ class Action:
             raise ValueError(f"split: a token split needs an interior cut, cut is {self.cut} of "
                              f"{self.num_layers}")
         self.registered_codec  # raises ValueError naming the registered codecs
+        if not isinstance(self.progressive, bool):
+            raise ValueError(f"progressive: must be true or false, got {self.progressive!r}")
+        if self.progressive and (self.codec != PROGRESSIVE_CODEC or self.cut == 0 or self.split):
+            raise ValueError(f"progressive: Lynx's streams split {PROGRESSIVE_CODEC} codes, with "
+                             f"a cut of at least 1 and no token split; got codec={self.codec}, "
+                             f"cut={self.cut}, split={self.split}")
         if check_coding(self.boundary) != "bf16" and not self.sends_boundary:
             raise ValueError(f"boundary: only an interior cut sends one, cut is {self.cut} of "
                              f"{self.num_layers}")
@@ -135,8 +149,9 @@ class Action:
     def __str__(self) -> str:
         boundary = f", boundary={self.boundary}" if self.boundary != "bf16" else ""
         split = f", split={self.split}" if self.split else ""
+        lynx = ", lynx" if self.progressive else ""
         return (f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}"
-                f"{boundary}{split})")
+                f"{boundary}{split}{lynx})")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,12 @@ prefix layer in those row ranges, `layer.{i}.{k}`, each layer's in chunk order, 
 boundary's chunks). Any
 other message, a second copy, or one out of its kind's order is a `TransportError`. A token split
 (`Action.split` l) also sends layers c..L−1, each its rows [l, S) (restored there; a failure in
-one costs the handoff, not only a prefix layer), and the head. `run()` never
+one costs the handoff, not only a prefix layer), and the head. Lynx's streams
+(`Action.progressive`) send each prefix layer's anchor (restored at anchor precision into the
+cache, `anchors_in` set once the anchors, the boundary's chunks and any head are in) and then
+every residual (`residual.{i}`, in layer order), whose full layers are kept in `full` for the
+caller to write over the anchor rows (`residuals.PendingResiduals`); no layer is salvaged from a
+progressive handoff (`keep_verified` does not apply). `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it. With
 `keep_verified`, a prefix layer whose message fails its seal (MAC, decryption), its checksums or
 its codec's layout is lost instead (`losses`) and the reading goes on; a message that fails its
@@ -22,19 +27,23 @@ the prefix layers whose every message was restored (`recovery`).
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 from rekv_core import streams
-from rekv_core.codecs import EncodedKV
+from rekv_core.codecs import EncodedKV, LayerBytes
 from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import SealError, Sealing, decrypt, open_message
 from rekv_core.handoff.transfer import Transfer
-from rekv_core.handoff.wire import HEAD, boundary_name, layer_name, parse_layer_rows
+from rekv_core.handoff.residuals import anchor_layer, full_layer
+from rekv_core.handoff.transfer import TransferCancelled
+from rekv_core.handoff.wire import (HEAD, boundary_name, layer_name, parse_layer_rows,
+                                    residual_name)
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model
 from rekv_core.transport import Message, TransportError, TransportReceiver
@@ -102,7 +111,14 @@ class Incoming:
         self.num_chunks = len(plan.boundary_chunks)
         self.row_chunks = plan.prefix_row_chunks
         self.split = plan.action.split
-        self.keep_verified = keep_verified
+        self.progressive = plan.action.progressive
+        self.keep_verified = keep_verified and not self.progressive
+        self._anchors: dict[int, tuple[dict[str, torch.Tensor], str]] = {}  # until the residual
+        self.full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # progressive: full layers
+        self.anchors_in = threading.Event()  # progressive: the anchors in, or the reading over
+        self.anchors_complete = False
+        self.residual_bytes = WireBytes()
+        self.residuals_done = 0.0
         self.losses: dict[int, BaseException] = {}  # prefix layer -> why its bytes were refused
         self._restored = [0] * self.action.cut  # per prefix layer, its messages restored
         self.chunks_in = 0  # boundary chunks handed to the suffix
@@ -116,6 +132,7 @@ class Incoming:
         self.stream = streams.side_stream(model.device)
         streams.follow(self.stream, model.device)  # the cache is allocated and zeroed first
         self.ready = torch.cuda.Event() if self.cuda else None
+        self.anchors_ready = torch.cuda.Event() if self.cuda else None
 
     def run(self) -> None:
         try:
@@ -128,6 +145,7 @@ class Incoming:
             self._chunks.put(None)
         finally:
             streams.settle(self.stream)  # even after a failure nothing may write into the cache
+            self.anchors_in.set()  # a waiter for the anchors sees the error
         if self.error is not None:
             self.done = time.perf_counter()
 
@@ -153,7 +171,9 @@ class Incoming:
         for _ in range(sent + self.num_chunks + with_head):
             message = self._next()
             if layer < sent and message.name == layer_name(layer):
-                if layer < c:
+                if self.progressive:
+                    self._restore_anchor(layer, _opened(message))
+                elif layer < c:
                     self._restore_or_lose(layer, message)
                 else:  # not a prefix layer: a failure costs the handoff (no salvage)
                     self._restore(layer, _opened(message), self.split)
@@ -170,6 +190,47 @@ class Incoming:
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
                                      f"{message.name!r} (after {layer} of {sent} layers and "
                                      f"{chunk} of {self.num_chunks} boundary chunks)")
+        if self.progressive:
+            if self.cuda:
+                self.anchors_ready.record(self.stream)
+            self.anchors_complete = True
+            self.anchors_in.set()
+            self._receive_residuals()
+
+    def wait_anchors(self) -> None:
+        """Progressive: until every message but the residuals is in (within the transfer's
+        limits); the reading's error, if it failed before."""
+        if not self.anchors_in.wait(max(0.0, self.inbound.transfer.wait_s())):
+            raise TimeoutError(f"transfer {self.inbound.request_id}: the anchors did not arrive "
+                               f"in time")
+        if not self.anchors_complete:
+            raise self.error or TransportError(f"transfer {self.inbound.request_id}: the "
+                                               f"reading ended before the anchors")
+
+    def _restore_anchor(self, index: int, message: Message) -> None:
+        streams.wait_ready(message.ready, message.buffers.values())
+        if self.decoding_began is None:
+            self.decoding_began = time.perf_counter()
+        k, v, anchor, dtype = anchor_layer(message, self.codec, self.kv_shape, self.model.device,
+                                           self.inbound.sealing.sealed)
+        self.cache.write(index, 0, k.to(self.model.dtype), v.to(self.model.dtype))
+        self._anchors[index] = (anchor, dtype)
+        self.bytes += _bytes_of(message)
+
+    def _receive_residuals(self) -> None:
+        """Each prefix layer's residual, in layer order: its full layer into `full`."""
+        for index in range(self.action.cut):
+            message = self.inbound.next()
+            if message.name != residual_name(index):
+                raise TransportError(f"request {self.inbound.request_id}: expected "
+                                     f"{residual_name(index)!r}, got {message.name!r}")
+            streams.wait_ready(message.ready, message.buffers.values())
+            anchor, dtype = self._anchors.pop(index)
+            k, v = full_layer(anchor, dtype, message, self.codec, self.kv_shape,
+                              self.inbound.sealing.sealed)
+            self.full[index] = (k.to(self.model.dtype), v.to(self.model.dtype))
+            self.residual_bytes += _bytes_of(message)
+        self.residuals_done = time.perf_counter()
 
     def _receive_in_token_order(self) -> None:
         """A pipelined handoff: c·chunks prefix messages and the boundary's chunks."""
@@ -238,12 +299,29 @@ class Incoming:
         self.cache.write(index, s0, k.to(self.model.dtype), v.to(self.model.dtype))
         self.bytes += WireBytes.of_layer(encoded.layer_bytes())
 
-    def join_compute_stream(self) -> None:
-        """On CUDA: the compute stream waits for every restore before the cache is used."""
+    def join_compute_stream(self, anchors: bool = False) -> None:
+        """On CUDA: the compute stream waits for every restore (`anchors`: every restore of an
+        anchor) before the cache is used."""
         if self.cuda:
             stream = torch.cuda.current_stream(self.model.device)
-            stream.wait_event(self.ready)
+            stream.wait_event(self.anchors_ready if anchors else self.ready)
             stream.synchronize()
+
+
+def join_reader(worker: threading.Thread, inbound: Inbound) -> None:
+    """Wait for the reading thread; past the transfer's deadline, abort the request, which wakes
+    its receive at once, and wait for the thread to stop writing into the cache."""
+    try:
+        worker.join(max(0.0, inbound.transfer.wait_s()))
+    except (TimeoutError, TransferCancelled):
+        pass
+    if worker.is_alive():
+        inbound.transport.abort(inbound.request_id)
+        worker.join()
+
+
+def _bytes_of(message: Message) -> WireBytes:
+    return WireBytes.of_layer(LayerBytes.of({n: b.numel() for n, b in message.buffers.items()}))
 
 
 def _opened(message: Message | Refused) -> Message:

@@ -14,8 +14,8 @@
   its deadline (0: none).
 
 `to_bytes()` is the plan's wire form, the first message of every handoff (`wire.PLAN`: a JSON
-object of the action (with a token split's l), the prompt length, the model's dimensions, the
-prediction and the delivery);
+object of the action (with a token split's l, and whether Lynx's streams carry it), the prompt
+length, the model's dimensions, the prediction and the delivery);
 `from_bytes(raw, shape)` reads it back against the receiver's model (`ValueError` naming the field).
 The codebook does not travel: every coded buffer carries its own in its header.
 
@@ -120,6 +120,8 @@ class HandoffPlan:
             raise ValueError(f"action: {exc}") from None
         if self.delivery.pipelined and self.action.split:
             raise ValueError("pipelined: a token split goes in layer order")
+        if self.delivery.pipelined and self.action.progressive:
+            raise ValueError("pipelined: Lynx's streams go in layer order")
         if self.delivery.pipelined and not self.action.sends_boundary:
             raise ValueError("pipelined: needs an interior cut (0 < c < L)")
         if self.delivery.pipelined and self.codec.importance_window:
@@ -168,7 +170,7 @@ class HandoffPlan:
             "hidden_size": s.hidden_size, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "expect_ms": self.predicted_ms, "streamed": d.streamed,
             "chunk_tokens": d.chunk_tokens, "boundary": a.boundary, "pipelined": d.pipelined,
-            "split": a.split,
+            "split": a.split, "progressive": a.progressive,
         }).encode()
 
     @classmethod
@@ -189,7 +191,7 @@ class HandoffPlan:
             if type(fields[name]) is not int or fields[name] < 0:
                 raise ValueError(f"plan: {name} must be a non-negative integer, got "
                                  f"{fields[name]!r}")
-        for name in ("streamed", "pipelined"):
+        for name in ("streamed", "pipelined", "progressive"):
             if not isinstance(fields[name], bool):
                 raise ValueError(f"plan: {name} must be true or false, got {fields[name]!r}")
         for name in ("codec", "boundary"):
@@ -205,7 +207,7 @@ class HandoffPlan:
                              f"receiver's {theirs}")
         try:
             action = Action(fields["codec"], fields["cut"], fields["num_layers"],
-                            fields["boundary"], fields["split"])
+                            fields["boundary"], fields["split"], fields["progressive"])
             delivery = Delivery(fields["streamed"], fields["chunk_tokens"],
                                 Order.TOKENS if fields["pipelined"] else Order.LAYERS)
             return cls(action, fields["seq_len"], shape, delivery,
@@ -216,4 +218,4 @@ class HandoffPlan:
 
 _REQUIRED = ("codec", "cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim")
 _OPTIONAL = {"expect_ms": 0.0, "streamed": False, "chunk_tokens": 0, "boundary": "bf16",
-             "pipelined": False, "split": 0}
+             "pipelined": False, "split": 0, "progressive": False}

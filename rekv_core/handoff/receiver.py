@@ -16,6 +16,11 @@ success, `abort` after any failure. Its plan (`HandoffPlan`) arrives first, in-b
   stream before it reads the boundary or the head.
 - `sequential` (eq. 8): receive and decode the whole prefix, then run the suffix.
 
+Lynx's streams (`Action.progressive`) always overlap: the result comes back once every anchor
+(with the boundary's suffix run, or the head) is in, its cache's prefix at anchor precision, and
+`HandoffResult.residuals` (`residuals.PendingResiduals`) reading on for the residuals, which end the
+request; the caller drafts on that cache and verifies on the full one (`handoff.progressive`).
+
 The same reading serves a streamed handoff (`Delivery.streamed`), whose prefix comes first, and a
 pipelined one (`Order.TOKENS`), whose prefix comes in the boundary's row chunks, each chunk's
 after its boundary rows. `Receiving.work`, when given, is told what the plan gives this side to
@@ -52,11 +57,12 @@ import torch
 
 from rekv_core.handoff.action import Action, WireBytes
 from rekv_core.handoff.boundary import decode_chunk
-from rekv_core.handoff.incoming import Inbound, Incoming
+from rekv_core.handoff.incoming import Inbound, Incoming, join_reader
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.handoff.recovery import PartialHandoff, Salvage
+from rekv_core.handoff.residuals import PendingResiduals
 from rekv_core.handoff.seal import Sealing, check_checksums
-from rekv_core.handoff.transfer import Transfer, TransferCancelled, TransferState, allowed_s
+from rekv_core.handoff.transfer import Transfer, TransferState, allowed_s
 from rekv_core.handoff.wire import PLAN, TOKENS
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model, final_logits
@@ -126,6 +132,7 @@ class HandoffResult:
     timings: HandoffTimings = field(default_factory=HandoffTimings)
     bytes: WireBytes = field(default_factory=WireBytes)
     link_sample: tuple[int, float] | None = None  # (bytes, seconds)
+    residuals: PendingResiduals | None = None  # Lynx: still arriving; the cache is the anchors'
 
     @property
     def action(self) -> Action:
@@ -158,8 +165,9 @@ def receive_handoff(model: Model, transport: TransportReceiver, transfer: Transf
         transport.abort(request_id)
         transfer.fail(f"{type(exc).__name__}: {exc}")
         raise
-    transport.close(request_id)
-    transfer.advance(TransferState.DONE)
+    if result.residuals is None:  # else the residuals end the request (`PendingResiduals`)
+        transport.close(request_id)
+        transfer.advance(TransferState.DONE)
     return result
 
 
@@ -244,18 +252,6 @@ def _run_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, cache: KVCa
     return _Suffix(logits, began, time.perf_counter(), turns.compute_s, wire)
 
 
-def _join(worker: threading.Thread, inbound: Inbound) -> None:
-    """Wait for the reading thread; past the transfer's deadline, abort the request, which wakes
-    its receive at once, and wait for the thread to stop writing into the cache."""
-    try:
-        worker.join(max(0.0, inbound.transfer.wait_s()))
-    except (TimeoutError, TransferCancelled):
-        pass
-    if worker.is_alive():
-        inbound.transport.abort(inbound.request_id)
-        worker.join()
-
-
 def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
                            plan: HandoffPlan, cache: KVCache, start: float,
                            turns: TimedTurns) -> HandoffResult:
@@ -264,8 +260,10 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
     action, S, mode = plan.action, plan.seq_len, receiving.mode
     hidden = model.shape.hidden_size
     incoming = Incoming(model, inbound, plan, cache, start, receiving.keep_verified)
-    suffix = None
-    if not action.sends_boundary:  # transfer-only: nothing to recompute
+    suffix = pending = None
+    if action.progressive:
+        suffix, pending = _anchors_and_suffix(model, plan, incoming, turns)
+    elif not action.sends_boundary:  # transfer-only: nothing to recompute
         inbound.transfer.advance(TransferState.PREFIX)
         incoming.run()
     elif mode is ReceiveMode.OVERLAP:
@@ -277,12 +275,12 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
             inbound.transport.abort(inbound.request_id)
             raise
         finally:
-            _join(worker, inbound)
+            join_reader(worker, inbound)
     else:
         incoming.run()
         whole = incoming.error is None or (receiving.keep_verified and incoming.boundary_complete)
         suffix = _run_suffix(model, plan, incoming, cache, turns) if whole else None
-    if incoming.error is not None or incoming.losses:
+    if pending is None and (incoming.error is not None or incoming.losses):
         _raise_what_is_lost(model, plan, incoming, cache, suffix)
     inbound.transfer.advance(TransferState.JOINING)
 
@@ -300,13 +298,34 @@ def _restore_and_recompute(model: Model, inbound: Inbound, receiving: Receiving,
         r_seconds = suffix.compute_s
         computing = min(suffix.began, incoming.decoding_began or suffix.began)
     cache.length = S
-    incoming.join_compute_stream()
+    incoming.join_compute_stream(anchors=pending is not None)
     done = time.perf_counter()
     timings = HandoffTimings(h_s=boundary_at - start, x_s=max(0.0, incoming.done - boundary_at),
                              r_s=r_seconds, j_s=done - join_start, total_s=done - start,
                              suffix_end_s=suffix.ended - start if suffix else 0.0)
     return HandoffResult(plan, cache, logits, timings, received + incoming.bytes,
-                         inbound.link_sample(before=computing))
+                         inbound.link_sample(before=computing), pending)
+
+
+def _anchors_and_suffix(model: Model, plan: HandoffPlan, incoming: Incoming, turns: TimedTurns
+                        ) -> tuple[_Suffix | None, PendingResiduals]:
+    """Lynx: the reading thread restores the anchors (then reads on for the residuals) beside
+    the suffix; back once both are done, the residuals still coming."""
+    inbound = incoming.inbound
+    worker = threading.Thread(target=incoming.run, name=f"rekv-prefix-{inbound.request_id}")
+    worker.start()
+    try:
+        if plan.action.sends_boundary:
+            suffix = _run_suffix(model, plan, incoming, incoming.cache, turns)
+        else:
+            suffix = None
+            inbound.transfer.advance(TransferState.PREFIX)
+        incoming.wait_anchors()
+    except BaseException:
+        inbound.transport.abort(inbound.request_id)
+        join_reader(worker, inbound)
+        raise
+    return suffix, PendingResiduals(incoming, worker, join_reader)
 
 
 def _head_logits(model: Model, incoming: Incoming) -> torch.Tensor:

@@ -13,7 +13,9 @@ their own; for transfer-only, the last position's final hidden state last. A tok
 (`Action.split` l) sends every layer from a source that runs them all (`through` = L): the prefix
 layers whole, the suffix layers' rows [l, S), and the boundary's rows [0, l) first from a finished
 prefill or right after layer c − 1 from a live one (the decode side recomputes them while the
-suffix rows are still coming); then the head. It returns the
+suffix rows are still coming); then the head. Lynx's streams (`Action.progressive`) send each
+layer's anchor where the layer would go and every residual after the head, in layer order
+(`handoff.residuals`). It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
 message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
@@ -44,8 +46,9 @@ from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import Sealing, encrypt, seal, with_checksums
 from rekv_core.handoff.source import ChunkedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
+from rekv_core.handoff.residuals import split_encoded
 from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, boundary_name, layer_name,
-                                    layer_rows_name, tensor_bytes)
+                                    layer_rows_name, residual_name, tensor_bytes)
 from rekv_core.transport import Message, TransportSender
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
 
@@ -167,6 +170,7 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
 
     quantize = 0.0
     split = action.split
+    residuals: dict[int, dict[str, torch.Tensor]] = {}  # Lynx: sent after every anchor
     with contextlib.closing(source.layers()) as layers:
         for layer in layers:
             streams.follow(stream, source.device)  # after the compute that produced the layer
@@ -179,11 +183,17 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
             start = time.perf_counter()
             with streams.on_stream(stream):
                 encoded = plan.codec.encode(
-                    keys, values, checksums=not send.sealed,
+                    keys, values, checksums=not (send.sealed or action.progressive),
                     context=EncodeContext(token_importance=importance))
             quantize += time.perf_counter() - start
-            send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
-                 state=TransferState.PREFIX)
+            if action.progressive:  # the anchor now, the residual after every anchor
+                extra, anchor, residuals[layer.index] = split_encoded(encoded)
+                with streams.on_stream(stream):
+                    header = with_checksums(anchor, extra, sealed=send.sealed)
+                send(layer_name(layer.index), header, anchor, state=TransferState.PREFIX)
+            else:
+                send(layer_name(layer.index), encoded.header_bytes(), encoded.buffers,
+                     state=TransferState.PREFIX)
             sent += WireBytes.of_layer(encoded.layer_bytes())
             if split and source.streamed and layer.index == action.cut - 1:
                 sent += _send_boundary(plan, source, stream, send)  # recompute starts early
@@ -196,6 +206,10 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
             head = source.head().to(torch.bfloat16)
         send(HEAD, buffers={"h": tensor_bytes(head)})
         sent += WireBytes(head=head.numel() * BF16_BYTES)
+    for index, buffers in sorted(residuals.items()):
+        with streams.on_stream(stream):
+            header = with_checksums(buffers, sealed=send.sealed)
+        send(residual_name(index), header, buffers)
     send.flush()
     return SenderReport(quantize_seconds=quantize, bytes=sent)
 

@@ -15,7 +15,9 @@ any order. A pipelined handoff (`Order.TOKENS`: the prefill runs in the boundary
 sends, for each chunk in turn, its boundary rows and then its rows of every prefix layer,
 `layer.{i}.{k}` (`layer_rows_name`: layer i, chunk k, encoded on their own). A token split
 (`Action.split` l) sends the boundary's rows [0, l) only, `layer.0` … `layer.{L-1}` (layers c and
-on: their rows [l, S)) and `head` last.
+on: their rows [l, S)) and `head` last. Lynx's streams (`Action.progressive`) send each layer's
+anchor as `layer.{i}` in the layers' order and place, then, after the head, every layer's residual,
+`residual.0` … `residual.{c-1}` (`handoff.residuals`).
 
 `WIRE_FORMAT` is the version of this layout (with the plan's and boundary's headers); it is part of
 the model fingerprint (`handoff.fingerprint`), so workers that lay a handoff out differently never
@@ -27,12 +29,16 @@ from __future__ import annotations
 import torch
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
-WIRE_FORMAT = 3  # bump when a message's name, order, header or seal changes (2: MAC over
-# bytes; 3: the plan's token split, and its suffix rows and head)
+WIRE_FORMAT = 4  # bump when a message's name, order, header or seal changes (2: MAC over
+# bytes; 3: the plan's token split, and its suffix rows and head; 4: Lynx's anchors and residuals)
 
 
 def layer_name(index: int) -> str:
     return f"layer.{index}"
+
+
+def residual_name(index: int) -> str:
+    return f"residual.{index}"
 
 
 def layer_rows_name(index: int, chunk: int) -> str:

@@ -39,11 +39,12 @@ def planned(model, ids, action, source, chunk_tokens=0, codec=None, predicted_ms
 
 def run_handoff(model, ids, action, source, chunk_tokens=0, receiving=Receiving(), transfer=None,
                 hooks=None, fault=None, key=None, encrypted=False, receiver_key=None,
-                receive_transfer=None):
+                receive_transfer=None, finish=None):
     """(the receiver's result, the sender's errors); the link must end with nothing held.
     `key` seals (and with `encrypted` encrypts) the handoff; the receiver opens it with
     `receiver_key` (default: the same key), its wait limits in `receive_transfer` (default: a
-    stall limit of 30 s)."""
+    stall limit of 30 s). `finish(result)`, when given, runs before the sender is joined (a
+    progressive handoff's residuals are still arriving when the result comes back)."""
     errors = []
     plan, source = planned(model, ids, action, source, chunk_tokens)
     with InProcessLink(fault=fault) as link:
@@ -67,6 +68,8 @@ def run_handoff(model, ids, action, source, chunk_tokens=0, receiving=Receiving(
                                      receive_transfer or Transfer("r", stall_s=30),
                                      Sealing(key if receiver_key is None else receiver_key,
                                              encrypted), receiving)
+            if finish is not None:
+                finish(result)
         finally:
             sender.join()
         assert link.receiver.pending() == Pending()
