@@ -33,7 +33,7 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
         raise InvalidArgument(f"{field}.cut: must lie in [0, {num_layers}], got {message.cut}")
     try:
         return Action(message.codec, message.cut, num_layers, message.boundary or "bf16",
-                      message.split_tokens)
+                      message.split_tokens, message.progressive)
     except ValueError as exc:
         raise InvalidArgument(_action_field(field, exc)) from None
 
@@ -56,7 +56,7 @@ def check_forced_split(forced: Action | None, prompt_len: int) -> None:
 
 def action_to_proto(action: Action):
     return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary,
-                           split_tokens=action.split)
+                           split_tokens=action.split, progressive=action.progressive)
 
 
 def delivery_from_proto(message, field: str = "forced_schedule") -> Delivery:
@@ -81,8 +81,7 @@ def wire_bytes_to_proto(wire: WireBytes):
 
 
 def _wire_bytes_from_proto(message) -> WireBytes:
-    return WireBytes(message.boundary, message.prefix, message.scales, message.tokens,
-                     message.head)
+    return WireBytes(message.boundary, message.prefix, message.scales, message.tokens, message.head)
 
 
 _QUALITY = {rekv_pb2.QUALITY_LOSSLESS: Quality.LOSSLESS, rekv_pb2.QUALITY_GATED: Quality.GATED}
@@ -194,8 +193,9 @@ def handoff_request(call: HandoffCall):
             measured=measured, accepts_streamed=offer.accepts_streamed,
             accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens,
             accepts_token_split=offer.accepts_token_split,
-            model_fingerprint=offer.fingerprint, running_batch=offer.running_batch,
-            itl_budget_ms=offer.itl_budget_ms, decode_step_ms=offer.decode_step_ms))
+            accepts_progressive=offer.accepts_progressive, model_fingerprint=offer.fingerprint,
+            running_batch=offer.running_batch, itl_budget_ms=offer.itl_budget_ms,
+            decode_step_ms=offer.decode_step_ms))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
     if call.forced_delivery is not None:
@@ -257,7 +257,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           accepts_streamed=offer.accepts_streamed,
                           accepts_pipelined=offer.accepts_pipelined, chunk_tokens=chunk,
                           accepts_token_split=offer.accepts_token_split,
-                          computing=offer.computing,
+                          accepts_progressive=offer.accepts_progressive, computing=offer.computing,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers),
                           fingerprint=offer.model_fingerprint,

@@ -53,6 +53,7 @@ from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.plan.decode_load import DecodeLoad, DecodeWork, Receive, ReceiveOverlaps
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 from rekv_core.plan.evidence import HandoffObservation
+from rekv_core.plan.lynx_drafts import MAX_DRAFTS, draft_count
 from rekv_core.plan.quality import DEFAULT_QUALITY, Quality, offered_codecs
 from rekv_core.plan.sharing import SharingMeter
 from rekv_core.transport import TransportReceiver
@@ -124,6 +125,17 @@ class DecodeConnector:
     def link_measured(self) -> bool:
         return self.calibration.link.measured
 
+    def lynx_drafts(self, prompt_len: int, cut: int) -> int:
+        """How many tokens to draft on a Lynx handoff's anchors (`plan.lynx_drafts`): its
+        residuals' bytes (half of each int8 layer's codes) at the link estimate, over a turn
+        between two of the engine's steps; without an engine, the most (drafting stops anyway
+        once the residuals are in)."""
+        if self.engine_state is None:
+            return MAX_DRAFTS
+        residual_bytes = cut * self.shape.kv_layer_bytes(prompt_len, 1) / 2
+        wait_ms = residual_bytes * 8 / (self.link_gbps * 1e9) * 1e3
+        return draft_count(wait_ms, max(self.engine_state().step_ms, 1e-3))
+
     @property
     def link_gbps(self) -> float:
         """The link estimate, or the prior before any sample."""
@@ -140,6 +152,7 @@ class DecodeConnector:
                            queue_depth=queue, handoffs_in_flight=in_flight,
                            costs=self.calibration.offer(prompt_len, self.load.sharers()),
                            accepts_streamed=True, accepts_pipelined=True, accepts_token_split=True,
+                           accepts_progressive=True,
                            chunk_tokens=self.options.chunk_tokens,
                            computing=self.load.computing(), backlog_ms=backlog.ms,
                            planned=backlog.planned, fingerprint=self.options.fingerprint,

@@ -108,6 +108,12 @@ class PrefillConnector:
         if forced is not None and forced.split and not call.offer.accepts_token_split:
             raise BadRequest("forced_action.split_tokens: the decode worker does not take a "
                              "token split")
+        if forced is not None and forced.progressive and not call.offer.accepts_progressive:
+            raise BadRequest("forced_action.progressive: the decode worker does not take Lynx's "
+                             "streams")
+        if (forced is not None and forced.progressive and call.forced_delivery is not None
+                and call.forced_delivery.pipelined):
+            raise BadRequest("forced_schedule.pipelined: Lynx's streams go in layer order")
         if forced is not None and call.token_ids:
             try:
                 forced.check_prompt(len(call.token_ids))

@@ -87,8 +87,9 @@ class Delivery:
 
 
 def can_pipeline(action: Action, codec: Codec) -> bool:
-    """Whether `action` can go in token order: an interior cut, a codec that ranks no tokens."""
-    return action.sends_boundary and codec.importance_window == 0
+    """Whether `action` can go in token order: an interior cut, a codec that ranks no tokens, and
+    not Lynx's streams (their anchors go before every residual, in layer order)."""
+    return action.sends_boundary and codec.importance_window == 0 and not action.progressive
 
 
 @dataclass(frozen=True)

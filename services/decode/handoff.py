@@ -24,7 +24,11 @@ still sends, and the prompt is recovered here from its token ids, counted in
 `_salvage_of`), layers 0..m alone are recomputed and the verified ones kept (`partial`), else the
 whole prompt (`full`; `rekv_core.handoff.recovery`), counted in `rekv_fallback_recompute_seconds`
 and `rekv_fallback_recomputed_layers_total` by scope; or, with `on_handoff_failure = fail`, the
-call ends with UNAVAILABLE. Only the caller's own bad input (INVALID_ARGUMENT from the prefill
+call ends with UNAVAILABLE. A progressive handoff (Lynx's streams, `Action.progressive`) comes back on its anchors with its
+residuals still arriving (`Handed.residuals`) and its `Handoff` call still open (`Handed.reply`:
+the reply follows the last residual; it is checked and the peer reported when it comes);
+`services.decode.progressive` verifies on them or falls back (`fallback_after_lost_residuals`).
+Only the caller's own bad input (INVALID_ARGUMENT from the prefill
 side) and the caller's cancel or deadline end the call instead. Where tracing is on, the handoff
 is a span of the request's trace (`services.request_spans`), and the `Handoff` call carries its
 `negotiation` span's context to the prefill worker.
@@ -33,6 +37,8 @@ is a span of the request's trace (`services.request_spans`), and the `Handoff` c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
 import logging
 import time
 import uuid
@@ -45,6 +51,7 @@ from rekv_core.codecs import CorruptPayloadError
 from rekv_core.connector import HandoffCall, HandoffReply, PendingHandoff
 from rekv_core.handoff import Action, HandoffResult, WireBytes
 from rekv_core.handoff.recovery import PARTIAL, PartialHandoff, Salvage
+from rekv_core.handoff.residuals import PendingResiduals, ResidualsLost
 from rekv_core.handoff.seal import SealError
 from rekv_core.handoff.transfer import TransferCancelled, allowed_s
 from rekv_core.model import KVCache
@@ -69,6 +76,8 @@ class Handed:
     logits: torch.Tensor
     report: HandoffReport
     link_sample_gbps: float | None = None
+    residuals: PendingResiduals | None = None  # Lynx: still arriving; the cache is the anchors'
+    reply: asyncio.Future | None = None  # Lynx: the `Handoff` call, answered after the residuals
 
 
 class _Failed(Exception):
@@ -133,7 +142,7 @@ class Handoffs:
                                                             pending))
         negotiation = trace.span("negotiation", span, client=True)
         try:
-            (result, sharing), reply = await self._negotiate(  # 2, 3
+            (result, sharing), reply, call_on = await self._negotiate(  # 2, 3
                 call, ids, pending, in_flight, queue, receiving, negotiation)
             record_receive(trace, span, clock.began, result)
         except _Failed as failed:
@@ -148,7 +157,10 @@ class Handoffs:
             self.in_flight -= 1
             self.metrics.in_flight.set(self.in_flight)
             connector.end(pending)
-        return self._learn(pending, result, reply, sharing)
+        handed = self._learn(pending, result, reply, sharing)
+        if result.residuals is None:
+            return handed
+        return dataclasses.replace(handed, residuals=result.residuals, reply=call_on)
 
     async def _negotiate(self, call: GenerateCall, ids: list[int], pending: PendingHandoff,
                          in_flight: int, queue: int, receiving: asyncio.Future,
@@ -175,30 +187,46 @@ class Handoffs:
             metadata=negotiation.metadata() or None))
         rpc.add_done_callback(lambda done: negotiation.end(
             None if done.cancelled() else done.exception()))
+        lynx = False  # a progressive handoff's call goes on: its reply follows the residuals
         try:
             await asyncio.wait({rpc, receiving}, return_when=asyncio.FIRST_COMPLETED)
             if not rpc.done():  # the data plane ended first
                 if receiving.exception() is not None:
                     raise _receive_failure(receiving.exception())
-                await asyncio.wait({rpc}, timeout=REPLY_GRACE_S)
+                if receiving.result()[0].residuals is None:
+                    await asyncio.wait({rpc}, timeout=REPLY_GRACE_S)
             reply = self._reply(peer, rpc) if rpc.done() else None
             try:
                 result = await receiving
             except Exception as exc:  # a broken data plane: never decode from it
                 raise _receive_failure(exc) from None
+            if not quality.allows(result[0].plan.action):  # never a lossy cache under lossless
+                raise _Failed("prefill_error", f"prefill: sent {result[0].plan.action} under "
+                                               f"quality {quality.value}")
+            if reply is not None:
+                try:
+                    self.connector.check_reply(result[0].plan, reply)
+                except ValueError as exc:
+                    raise _Failed("prefill_error", f"prefill: {exc}") from None
+            lynx = result[0].residuals is not None
         finally:
-            if not rpc.done():
+            if not rpc.done() and not lynx:
                 rpc.cancel()  # the prefill side sees its call cancelled and stops sending
                 self.prefill.report(peer)
-        if not quality.allows(result[0].plan.action):  # never a lossy cache under lossless
-            raise _Failed("prefill_error", f"prefill: sent {result[0].plan.action} under quality "
-                                           f"{quality.value}")
-        if reply is not None:
-            try:
-                self.connector.check_reply(result[0].plan, reply)
-            except ValueError as exc:
-                raise _Failed("prefill_error", f"prefill: {exc}") from None
-        return result, reply
+        if lynx and not rpc.done():
+            rpc.add_done_callback(functools.partial(self._late_reply, peer, result[0].plan))
+        return result, reply, rpc
+
+    def _late_reply(self, peer, plan, rpc: asyncio.Future) -> None:
+        """A progressive handoff's reply, after its residuals: the peer reported, the reply
+        checked against the plan; what goes wrong is logged (the cache was verified already)."""
+        if rpc.cancelled():
+            self.prefill.report(peer)
+            return
+        try:
+            self.connector.check_reply(plan, self._reply(peer, rpc))
+        except Exception as exc:  # noqa: BLE001 - logged: the tokens were verified on the data
+            log.warning("the prefill reply after Lynx's residuals: %s", exc)
 
     def _reply(self, peer, rpc: asyncio.Future) -> HandoffReply:
         exc = rpc.exception()
@@ -224,7 +252,8 @@ class Handoffs:
     def _learn(self, pending: PendingHandoff, result: HandoffResult, reply: HandoffReply | None,
                sharing: float) -> Handed:
         if reply is None:  # a verified cache whose reply never came: nothing to learn from
-            log.warning("transfer complete but the prefill reply is late; not calibrating")
+            if result.residuals is None:  # Lynx's reply follows its residuals
+                log.warning("transfer complete but the prefill reply is late; not calibrating")
             report = HandoffReport(action=result.action, bytes=result.bytes,
                                    measured_ms=result.timings.total_s * 1e3,
                                    delivery=result.plan.delivery)
@@ -241,6 +270,13 @@ class Handoffs:
             j_ms=t.j_s * 1e3, delivery=reply.delivery, send_ms=reply.send_ms,
             prefill_link_gbps=reply.link_gbps)
         return Handed(result.cache, result.logits, report, learned.link_sample_gbps)
+
+    async def fallback_after_lost_residuals(self, ids: list[int], capacity: int, began: float,
+                                            lost: ResidualsLost) -> Handed:
+        """A progressive handoff whose residuals were lost: the fallback of any failed handoff,
+        for the residuals' cause."""
+        return await self._fallback(ids, capacity, began, _receive_failure(lost.__cause__ or lost),
+                                    None)
 
     async def _fallback(self, ids: list[int], capacity: int, began: float,
                         failed: _Failed, salvage: Salvage | None) -> Handed:

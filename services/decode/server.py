@@ -38,6 +38,7 @@ from services.calls import Completion, GenerateCall
 from rekv_core.engine import Stream
 from services.decode.canary import build_canary
 from services.decode.handoff import Handed, Handoffs
+from services.decode.progressive import verified_tokens
 from services.decode.connect_ahead import ConnectAhead
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
@@ -115,9 +116,9 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         return "length" if len(tokens) >= call.max_new_tokens else None
 
     async def _engine_tokens(self, call: GenerateCall, handed: Handed, sampler: Sampler,
-                             first: int):
-        """(token, finish) after `first`, from the worker's batched engine; the stream leaves the
-        batch when this generator closes (a cancel, a deadline, a client gone)."""
+                             sent: list[int]):
+        """(token, finish) after the tokens `sent`, from the worker's batched engine; the stream
+        leaves the batch when this generator closes (a cancel, a deadline, a client gone)."""
         engine, loop = self.worker.engine, asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -125,8 +126,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             loop.call_soon_threadsafe(queue.put_nowait, (token, finish, error))
 
         eos = self.worker.eos_token_id if call.stop_at_eos else None
-        stream = Stream(call.request_id, handed.cache, first, call.max_new_tokens - 1, sampler,
-                        emit, eos, last_token_at=engine.now())
+        stream = Stream(call.request_id, handed.cache, sent[-1], call.max_new_tokens - len(sent),
+                        sampler, emit, eos, last_token_at=engine.now())
         engine.join(stream)
         try:
             while True:
@@ -140,10 +141,10 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             engine.cancel(stream)
 
     async def _own_tokens(self, call: GenerateCall, handed: Handed, sampler: Sampler,
-                          first: int):
-        """(token, finish) after `first`, decoded alone on a thread of this request's own
-        (`decode_path = per_request`, the comparison path)."""
-        step, tokens = self.worker.decoder(handed.cache), [first]
+                          sent: list[int]):
+        """(token, finish) after the tokens `sent`, decoded alone on a thread of this request's
+        own (`decode_path = per_request`, the comparison path)."""
+        step, tokens = self.worker.decoder(handed.cache), list(sent)
         observe, last = self.metrics.engine.token_gap, time.perf_counter()
         while True:
             tokens.append(sampler(await asyncio.to_thread(step, tokens[-1])))
@@ -169,9 +170,23 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
         text_so_far = tokenizer.decode(tokens) if tokenizer else ""
         yield wire_convert.token_response(token, text_so_far)
         finish = self._finish(call, tokens)
+        if finish is None and handed.residuals is not None:  # Lynx: what the residuals verify
+            verified, handed = await verified_tokens(self.handoffs, call, ids, handed, token)
+            for token in verified:
+                tokens.append(token)
+                text = tokenizer.decode(tokens) if tokenizer else ""
+                piece, text_so_far = text[len(text_so_far):], text
+                yield wire_convert.token_response(token, piece)
+                finish = self._finish(call, tokens)
+                if finish is not None:
+                    break
+        elif handed.residuals is not None:  # one token asked for: the residuals are not needed
+            handed.residuals.abandon("the request needed only its first token")
+            if handed.reply is not None:
+                handed.reply.cancel()
         if finish is None:
-            more = (self._engine_tokens(call, handed, sampler, token) if worker.engine
-                    else self._own_tokens(call, handed, sampler, token))
+            more = (self._engine_tokens(call, handed, sampler, tokens) if worker.engine
+                    else self._own_tokens(call, handed, sampler, tokens))
             async for token, finish in more:
                 tokens.append(token)
                 text = tokenizer.decode(tokens) if tokenizer else ""
@@ -187,7 +202,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                           handed.report, worker.quality(call))
         self.metrics.quality.labels(done.quality.value).inc()
         h = handed.report
-        self.canary.offer(h.action, h.fallback, ids, handed.cache, handed.logits)
+        if handed.residuals is None:  # else the cache is the anchors' alone
+            self.canary.offer(h.action, h.fallback, ids, handed.cache, handed.logits)
         log.info("request=%s tokens=%d action=%s/%d handoff_ms=%.1f delivery=%s "
                  "predicted_ms=%.1f send_ms=%.1f ttft_ms=%.1f new_tokens=%d fallback=%s "
                  "request_ms=%.1f link_sample_gbps=%.3f link_gbps=%.3f prefill_link_gbps=%.3f",

@@ -143,6 +143,34 @@ def test_a_token_split_reproduces_the_reference(services, reference, tokenizer):
     assert "forced_action.split_tokens" in error.value.details()
 
 
+def test_lynx_streams_emit_the_int8_actions_tokens(services, tokenizer):
+    """Lynx's progressive streams, forced over the control plane: the decode worker starts on
+    the anchors, drafts while the residuals arrive and emits only what the full int8 cache
+    verifies: the int8 action's own tokens, joint and transfer-only, with int8's bytes. A codec
+    other than int8, or token order, is refused naming the field."""
+    prompt = PROMPTS[2]
+    prompt_len = len(tokenizer.encode(prompt))
+    for cut in (15, SHAPE.num_layers):
+        want = _run(services, f"int8-{cut}", prompt, 16, ("int8", cut), stop_at_eos=False)
+        result = _run(services, f"lynx-{cut}", prompt, 16, ("int8", cut, "bf16", 0, True),
+                      stop_at_eos=False)
+        s = result.summary
+        assert s.action.progressive and s.action.codec == "int8" and not s.fallback, s
+        assert result.token_ids == want.token_ids
+        total = wire_bytes(Action("int8", cut, SHAPE.num_layers), SHAPE, prompt_len)
+        assert (s.bytes.prefix, s.bytes.scales, s.bytes.boundary, s.bytes.head) == (
+            total.prefix, total.scales, total.boundary, total.head)
+    with pytest.raises(grpc.RpcError) as error:
+        _run(services, "lynx-int4", prompt, 4, ("int4", 15, "bf16", 0, True))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forced_action.progressive" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:
+        _run(services, "lynx-tokens", prompt, 4, ("int8", 15, "bf16", 0, True),
+             forced_schedule=(True, 256, True))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forced_schedule.pipelined" in error.value.details()
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
