@@ -115,6 +115,10 @@ class ServiceSettings(RuntimeSettings):
     # prefill: let the planner rank KVPR's token splits (h_c of the first l tokens, the suffix
     # layers' KV of the rest) where the decode worker takes them
     token_split: bool = True
+    # prefill: let the planner rank Lynx's progressive streams of int8 actions (every layer's
+    # anchor before any residual; the decode worker drafts on the anchors) where the decode
+    # worker takes them
+    lynx_streams: bool = True
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
     boundary_chunk_tokens: int = 256

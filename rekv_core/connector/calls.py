@@ -56,7 +56,7 @@ class DecodeOffer:
     planned: Collection[str] = frozenset()
     fingerprint: str = ""  # its model's (`handoff.fingerprint`, hex); the prefill side's must match
     # its decode engine: the running batch, the ITL budget (ms; 0: no engine) and the step of that
-    # batch (ms), which stretch a suffix computed there (`plan.cost.interleaved_stretch`)
+    # batch (ms), which stretch a suffix computed there (`plan.stretch.interleaved_stretch`)
     running_batch: int = 0
     itl_budget_ms: float = 0.0
     decode_step_ms: float = 0.0

@@ -46,11 +46,11 @@ from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, LivePrefil
 from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import Model, prefill
 from rekv_core.plan.calibration import PrefillCalibration, Queues
-from rekv_core.plan.cost import interleaved_stretch
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 from rekv_core.plan.planner import Decision, Planner, common_codecs
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.prefill_load import AssignedWork, Once, PrefillBacklog
+from rekv_core.plan.stretch import interleaved_stretch
 from rekv_core.transport import TransportSender
 
 
@@ -61,6 +61,7 @@ class PrefillOptions:
     pipeline_prefill: bool = True  # let the planner pick token order where it applies
     fingerprint: str = ""  # its model's fingerprint (hex, `handoff.fingerprint`)
     token_split: bool = True  # let the planner rank token splits where the decode worker takes them
+    lynx_streams: bool = True  # let it rank Lynx's streams of int8 actions where it takes them
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class PrefillConnector:
             self.shape, len(call.token_ids), costs, delivery.streamed, delivery.chunk_tokens,
             self._orders(call, delivery, queue),
             Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen),
-            token_splits=self.options.token_split and offer.accepts_token_split)
+            token_splits=self.options.token_split and offer.accepts_token_split,
+            progressive=self.options.lynx_streams and offer.accepts_progressive)
         decision = self.planner.decide(inputs, common_codecs(self.options.codecs, offer.codecs),
                                        costs.evidence, call.forced_action, call.quality)
         share = decision.plan.boundary_rows / decision.plan.seq_len  # a split's first l rows

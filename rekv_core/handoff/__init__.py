@@ -1,7 +1,7 @@
 """The ReKV handoff: the action (b, c) and its byte model, the typed plan (`HandoffPlan`), the
 wire messages, the sender and the receiver (overlapped and sequential)."""
 
-from rekv_core.handoff.action import Action, ActionKind, WireBytes, wire_bytes
+from rekv_core.handoff.action import Action, ActionKind, WireBytes, before_residuals, wire_bytes
 from rekv_core.handoff.plan import Delivery, HandoffPlan, Order
 from rekv_core.handoff.receiver import (ComputeObserver, HandoffResult, HandoffTimings,
                                         ReceiveMode, Receiving, receive_handoff)

@@ -206,6 +206,15 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     return total
 
 
+def before_residuals(action: Action, wire: WireBytes) -> WireBytes:
+    """What of `wire` (an action's, or one layer's) travels before the first token can be
+    computed: for Lynx's streams all but the residuals (the low half of every code byte), for
+    any other action all of it."""
+    if not action.progressive:
+        return wire
+    return WireBytes(wire.boundary, wire.prefix // 2, wire.scales, wire.tokens, wire.head)
+
+
 def _split_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     """A token split: the prefix layers whole, the suffix layers' rows [l, S), the boundary's
     rows [0, l), the head."""

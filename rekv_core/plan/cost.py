@@ -65,9 +65,15 @@ side, the boundary's rows [0, l) first (after a full prefill) or right after lay
 computed, the head last; the decode side recomputes layers c..L−1 for [0, l) chunk by chunk from
 each arrival: R = (L − c)·γ·l/S.
 
+Lynx's streams (`Action.progressive`, an `int8` action's bytes with every layer's anchor before any
+residual): T counts the bytes before the residuals only (`before_residuals`: the codes' top
+nibbles and the scales), since the first token is computed on the anchors; the residuals follow on
+the link while the decode side drafts, and the verified tokens are the `int8` action's.
+
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec (and, where
 `inputs.token_splits`, each interior cut's token split at the closed form's l: `split_actions`,
-`split_costs`) and returns the predictions sorted by predicted time; the first is the choice.
+`split_costs`; where `inputs.progressive`, each `int8` action also as Lynx's streams) and returns
+the predictions sorted by predicted time; the first is the choice.
 """
 
 from __future__ import annotations
@@ -77,7 +83,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from rekv_core.codecs import get_codec
-from rekv_core.handoff import Action, Order, WireBytes, wire_bytes
+from rekv_core.codecs.lynx import BASE_CODEC as PROGRESSIVE_CODEC
+from rekv_core.handoff import Action, Order, WireBytes, before_residuals, wire_bytes
 from rekv_core.handoff.plan import can_pipeline
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
@@ -105,6 +112,7 @@ class CostInputs:
     orders: frozenset[Order] = frozenset({Order.LAYERS})
     link_measured: bool = True  # false: `link_gbps` is a prior, not a measurement
     token_splits: bool = False  # rank KVPR's token splits too (both workers take them)
+    progressive: bool = False  # rank Lynx's streams of the int8 actions too (both take them)
     prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
     prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
     decode_queue: int = 0  # other requests computing on the decode worker now
@@ -144,7 +152,7 @@ class Prediction:
                 "predicted_ms": self.total_ms, "h_ms": self.h_ms,
                 "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes,
                 "prefill_ms": self.prefill_ms, "load_ms": self.load_ms,
-                "pipelined": self.pipelined}
+                "pipelined": self.pipelined, "progressive": self.action.progressive}
 
 
 def predict(action: Action, inputs: CostInputs) -> Prediction:
@@ -197,8 +205,8 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
                           L * gamma, join, wire.total)
     alpha, restore = _alpha_ms(action, inputs)
     step = inputs.prefill_ms_per_layer + alpha
-    layer = WireBytes.of_layer(action.registered_codec.layer_bytes(
-        (shape.num_kv_heads, S, shape.head_dim)))
+    layer = before_residuals(action, WireBytes.of_layer(action.registered_codec.layer_bytes(
+        (shape.num_kv_heads, S, shape.head_dim))))
     w = (layer.prefix + layer.scales) / per_ms + m
     wait = inputs.prefill_wait_ms
     prefill = c * inputs.prefill_ms_per_layer
@@ -323,26 +331,13 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     restore = restore_layer * c
     h = (inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
          + _boundary_ms_per_mib(action, inputs) * shape.boundary_bytes(S, BF16_BYTES) / MiB)
-    x = (max(c * alpha, (wire.prefix + wire.scales + wire.head) / bytes_per_ms) + alpha + restore
-         + c * m)
+    first = before_residuals(action, wire)
+    x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
+         + restore + c * m)
     r = (L - c) * gamma
     suffix_end = max(start + h, inputs.decode_wait_ms) + r if r else 0.0
     end = max(start + h + x, suffix_end)
     return Prediction(action, end + inputs.join_ms, h, x, r, inputs.join_ms, wire.total, prefill)
-
-
-MAX_STRETCH = 10.0  # a step of the batch alone at or past the budget
-
-
-def interleaved_stretch(running: int, budget_ms: float, step_ms: float) -> float:
-    """Wall time over compute time of decode-side compute interleaved with a running batch:
-    T / (T − s_B) for B > 0 streams, a budget T > 0 and a step s_B; 1 otherwise."""
-    if running <= 0 or budget_ms <= 0:
-        return 1.0
-    spare = budget_ms - step_ms
-    if spare <= budget_ms / MAX_STRETCH:
-        return MAX_STRETCH
-    return budget_ms / spare
 
 
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:
@@ -378,6 +373,9 @@ def choose(inputs: CostInputs, codecs: Iterable[str]) -> list[Prediction]:
     actions = candidate_actions(inputs.shape, codecs)
     if inputs.token_splits:
         actions += split_actions(inputs, codecs)
+    if inputs.progressive:
+        actions += [dataclasses.replace(a, progressive=True) for a in actions
+                    if a.codec == PROGRESSIVE_CODEC and a.cut and not a.split]
     predictions = [predict(a, inputs) for a in actions]
     return sorted(predictions, key=lambda p: (p.total_ms, p.bytes))
 

@@ -11,7 +11,9 @@ A codec's eligible cuts are 1..max_cut (layers 0..c−1 travel in that codec; fe
 never add error, so a passing cut vouches for every smaller one); `max_cut: 0` means the codec is
 not eligible. A lossy token split (KVPR's, `Action.split`) codes layers 0..c−1 whole and layers
 c..L−1's rows [l, S): a subset of what the codec's transfer-only action (c = L) codes, so it is
-eligible where that is (`max_cut` = L), and its recomputed rows are exact. Lossless actions
+eligible where that is (`max_cut` = L), and its recomputed rows are exact. Lynx's streams
+(`Action.progressive`) carry the `int8` action's bytes and emit only tokens verified on its cache:
+they are that action, with its verdict. Lossless actions
 (`Action.lossless`: token-only, BF16, and a split in a lossless codec) are always eligible. The
 embedded model's policy ships in `rekv_core/plan/policies/`.
 """

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rekv_core.plan.cost import MAX_STRETCH, interleaved_stretch
+from rekv_core.plan.stretch import MAX_STRETCH, interleaved_stretch
 
 
 def test_no_batch_or_no_engine_stretches_nothing():
