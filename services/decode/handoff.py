@@ -26,7 +26,8 @@ whole prompt (`full`; `rekv_core.handoff.recovery`), counted in `rekv_fallback_r
 and `rekv_fallback_recomputed_layers_total` by scope; or, with `on_handoff_failure = fail`, the
 call ends with UNAVAILABLE. A progressive handoff (Lynx's streams, `Action.progressive`) comes back on its anchors with its
 residuals still arriving (`Handed.residuals`) and its `Handoff` call still open (`Handed.reply`:
-the reply follows the last residual; it is checked and the peer reported when it comes);
+the reply follows the last residual; it is checked and learnt from, and the peer reported, when it
+comes);
 `services.decode.progressive` verifies on them or falls back (`fallback_after_lost_residuals`).
 Only the caller's own bad input (INVALID_ARGUMENT from the prefill
 side) and the caller's cancel or deadline end the call instead. Where tracing is on, the handoff
@@ -214,17 +215,22 @@ class Handoffs:
                 rpc.cancel()  # the prefill side sees its call cancelled and stops sending
                 self.prefill.report(peer)
         if lynx and not rpc.done():
-            rpc.add_done_callback(functools.partial(self._late_reply, peer, result[0].plan))
+            rpc.add_done_callback(functools.partial(self._late_reply, peer, pending, result))
         return result, reply, rpc
 
-    def _late_reply(self, peer, plan, rpc: asyncio.Future) -> None:
+    def _late_reply(self, peer, pending: PendingHandoff, received: tuple[HandoffResult, float],
+                    rpc: asyncio.Future) -> None:
         """A progressive handoff's reply, after its residuals: the peer reported, the reply
-        checked against the plan; what goes wrong is logged (the cache was verified already)."""
+        checked against the plan and learnt from (its timings are the anchors', as its
+        prediction's are); what goes wrong is logged (the tokens were verified already)."""
         if rpc.cancelled():
             self.prefill.report(peer)
             return
+        result, sharing = received
         try:
-            self.connector.check_reply(plan, self._reply(peer, rpc))
+            reply = self._reply(peer, rpc)
+            self.connector.check_reply(result.plan, reply)
+            self._learn(pending, result, reply, sharing)
         except Exception as exc:  # noqa: BLE001 - logged: the tokens were verified on the data
             log.warning("the prefill reply after Lynx's residuals: %s", exc)
 

@@ -1,0 +1,255 @@
+"""Lynx's progressive streams across the emulated link: TTFT and the time to the 8th token against
+the same int8 action sent in one stream, the other forced actions, and the planner with Lynx among
+its actions.
+
+    python bench/lynx.py [--model M] [--dtype float32] [--prompt-len 512,2048]
+        [--link-gbps x1,x4,10] [--cuts 12,21] [--codecs int8,bf16] [--new-tokens 8]
+        [--warmups 1] [--runs 3] [--json FILE] [--markdown FILE]
+
+Both services run as `rekv bench link` runs them (two network namespaces joined by a veth pair
+shaped with `tc tbf`, UCX over TCP only, each service pinned to its own half of the cores; without
+root, loopback with paced UCX sends), with the services' defaults otherwise (streamed handoffs,
+the boundary in 256-token chunks, Lynx's streams offered). Per prompt length S and link rate
+(Gb/s, or xK: K times S's balanced rate, at which every layer's BF16 KV takes as long on the link
+as computing every layer), the cases, every one once per round in an order shuffled each round:
+
+- each codec sent whole (transfer-only, c = L), and each codec's joint action at each cut;
+- int8 whole and at each cut as Lynx's streams (every layer's anchor before any residual);
+- the planner's choice (no forced action), Lynx among its candidates.
+
+Each call generates `--new-tokens` greedy tokens (EOS ignored). Reported per case: TTFT from
+Generate's arrival on the decode worker (median, 95% bootstrap interval), the median time from the
+call to the last token (the client's clock), the bytes, and for Lynx the drafts made and accepted
+(the decode worker's log); per point: each Lynx case against the same int8 action in one stream,
+the best Lynx case against the best other forced case (the planner's previous choice set), and the
+planner against the best forced case (goal: within 10%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rekv_cli.bench.handoff import LinkRate, prompt_ids  # noqa: E402
+from rekv_cli.bench.link.netns import EmulatedLink, unavailable  # noqa: E402
+from rekv_cli.bench.link.report import row  # noqa: E402
+from rekv_cli.bench.link.sweep import (LinkBenchConfig, balanced_gbps, run_client,  # noqa: E402
+                                       service_layout, start_services)
+from rekv_cli.bench.machine import cpu_model  # noqa: E402
+from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
+from rekv_core.model.blocks import EXEC_BLOCK  # noqa: E402
+from rekv_core.settings import RuntimeSettings  # noqa: E402
+
+CHUNKED = [True, EXEC_BLOCK]  # the services' default schedule: streamed, the boundary in chunks
+
+
+def cases_for(L: int, cuts: list[int], codecs: list[str]) -> list[dict]:
+    cases = [{"action": [codec, c], "schedule": CHUNKED, "role": "one stream"}
+             for codec in codecs for c in [L, *cuts]]
+    cases += [{"action": ["int8", c, "bf16", 0, True], "schedule": CHUNKED, "role": "lynx"}
+              for c in [L, *cuts]]
+    return [*cases, {"action": None, "schedule": None, "role": "planner"}]
+
+
+def point_summary(rows: list[dict]) -> dict:
+    forced = [r for r in rows if r["role"] != "planner"]
+    planner = next(r for r in rows if r["role"] == "planner")
+    best = min(forced, key=lambda r: r["median_ms"])
+    lynx = min((r for r in forced if r["role"] == "lynx"), key=lambda r: r["median_ms"])
+    other = min((r for r in forced if r["role"] != "lynx"), key=lambda r: r["median_ms"])
+
+    def brief(r: dict) -> dict:
+        return {"label": r["label"], "median_ms": r["median_ms"],
+                "last_token_ms": r["last_token_median_ms"]}
+
+    def same_int8(r: dict) -> dict:
+        return next(o for o in forced if o["role"] != "lynx" and o["codec"] == "int8"
+                    and o["cut"] == r["cut"])
+
+    versus_int8 = [{"cut": r["cut"], "ttft": r["median_ms"] / same_int8(r)["median_ms"],
+                    "last_token": (r["last_token_median_ms"]
+                                   / same_int8(r)["last_token_median_ms"]),
+                    "drafted": r.get("drafted"), "accepted": r.get("accepted")}
+                   for r in forced if r["role"] == "lynx"]
+    return {"best": brief(best), "best_lynx": brief(lynx), "best_other": brief(other),
+            "lynx_over_int8": versus_int8,
+            "lynx_over_other": lynx["median_ms"] / other["median_ms"],
+            "lynx_over_other_last_token": (lynx["last_token_median_ms"]
+                                           / other["last_token_median_ms"]),
+            "planner": {**brief(planner), "picks": planner["picks"]},
+            "planner_over_best": planner["median_ms"] / best["median_ms"],
+            "planner_within_10pct": planner["median_ms"] <= 1.1 * best["median_ms"]}
+
+
+def drafts_in_log(log: Path, S: int, number: int, warmups: int) -> tuple[int, int] | None:
+    """(drafted, accepted) over the timed calls of case `number` at S (the decode worker's log)."""
+    if not log.exists():
+        return None
+    pattern = re.compile(rf"request=link-{S}-{number}-(\d+) lynx drafted=(\d+) "
+                         rf"accepted=(\d+)")
+    found = [(int(m[2]), int(m[3])) for m in pattern.finditer(log.read_text())
+             if int(m[1]) >= warmups]
+    return (sum(d for d, _ in found), sum(a for _, a in found)) if found else None
+
+
+def run(args) -> dict:
+    started = provenance()
+    settings = RuntimeSettings.from_env(model=args.model, dtype=args.dtype)
+    model = settings.load_model()
+    shape = model.shape
+    L = shape.num_layers
+    cuts = args.cuts or [round(L * 0.4), round(L * 0.7)]
+    service_args = ["--dtype", args.dtype, "--model", settings.model]
+    if args.policy:
+        service_args += ["--policy", args.policy]
+    cores, role_args = service_layout(service_args)
+    why_not = unavailable()
+    log_dir = Path(tempfile.mkdtemp(prefix="rekv-lynx-"))
+    balanced = {S: balanced_gbps(model, prompt_ids(shape.vocab_size, S, 0), cores[1])[0]
+                for S in args.prompt_len}
+    config = LinkBenchConfig(warmups=args.warmups, runs=args.runs)
+    rows, points = [], []
+    link = None if why_not else EmulatedLink(args.link_gbps[0].gbps(balanced[args.prompt_len[0]]))
+    pair = None
+    try:
+        pair = start_services(role_args, log_dir, cores, link) if link else None
+        for rate in args.link_gbps:
+            for S in args.prompt_len:
+                gbps = rate.gbps(balanced[S])
+                if link:
+                    link.set_rate(gbps)
+                else:
+                    if pair is not None:
+                        pair.stop()
+                    pair = start_services(role_args, log_dir, cores, None, gbps)
+                cases = cases_for(L, cuts, args.codecs)
+                results = run_client(link.prefix("decode") if link else [], pair.decode_address,
+                                     S, shape.vocab_size, cases, config,
+                                     seed=random.Random(f"{S}-{rate.label}").randrange(1 << 30),
+                                     new_tokens=args.new_tokens)
+                point_rows = []
+                for number, (case, result) in enumerate(zip(cases, results)):
+                    r = row(shape, S, rate, gbps, result)
+                    r["role"] = case["role"]
+                    r["last_token_median_ms"] = statistics.median(result["last_token_ms"])
+                    drafts = drafts_in_log(log_dir / "decode.log", S, number, args.warmups)
+                    r["drafted"], r["accepted"] = drafts or (None, None)
+                    point_rows.append(r)
+                rows += point_rows
+                summary = point_summary(point_rows)
+                points.append({"prompt_len": S, "link": rate.label, "link_gbps": gbps,
+                               "balanced_gbps": balanced[S], **summary})
+                print(f"S={S} {rate.label} ({gbps:.3f} Gb/s): best {summary['best']['label']} "
+                      f"{summary['best']['median_ms']:.0f} ms; lynx/other "
+                      f"{summary['lynx_over_other']:.2f}; planner "
+                      f"{summary['planner_over_best']:.2f}", file=sys.stderr)
+        codes, pair = (pair.stop() if pair else {}), None
+    finally:
+        if pair is not None:
+            pair.stop()
+        if link:
+            link.close()
+    meta = {**started, "machine": cpu_model(), "cores": os.cpu_count(), "model": shape.name,
+            "dtype": args.dtype, "cuts": cuts, "codecs": args.codecs,
+            "new_tokens": args.new_tokens, "warmups": args.warmups, "runs": args.runs,
+            "link": "veth + tc tbf in two network namespaces" if not why_not
+            else f"loopback, paced UCX sends ({why_not})",
+            "service_cores": {"prefill": cores[0], "decode": cores[1]},
+            "service_exit_codes": codes,
+            "logs": str(log_dir),
+            "command": "python bench/lynx.py " + " ".join(sys.argv[1:])}
+    return {"meta": meta, "balanced_gbps": balanced, "rows": rows, "points": points}
+
+
+def markdown(result: dict) -> str:
+    meta = result["meta"]
+    lines = [f"# Lynx's progressive streams across the emulated link ({meta['model']}, "
+             f"{meta['dtype']})", "", f"`{meta['command']}`, commit {meta['commit']} (clean tree: "
+             f"{meta['tree_clean']}), {meta['machine']}, {meta['link']}; "
+             f"{meta['runs']} timed rounds after {meta['warmups']} warm-up, cases shuffled "
+             f"each round; {meta['new_tokens']} greedy tokens a call.", "",
+             "Lynx against the same int8 action in one stream (TTFT ratio, last-token ratio, "
+             "drafts accepted/made over the timed calls):", "",
+             "| S | link | Gb/s | cut | TTFT lynx/int8 | last token lynx/int8 | accepted/drafted |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for p in result["points"]:
+        for v in p["lynx_over_int8"]:
+            drafts = (f"{v['accepted']}/{v['drafted']}" if v["drafted"] is not None else "-")
+            lines.append(f"| {p['prompt_len']} | {p['link']} | {p['link_gbps']:.3f} | {v['cut']} "
+                         f"| {v['ttft']:.2f} | {v['last_token']:.2f} | {drafts} |")
+    lines += ["", "The best Lynx case against the best other forced case, and the planner:", "",
+              "| S | link | best lynx | ms | last token | best other | ms | last token "
+              "| lynx/other | planner | ms | planner/best |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for p in result["points"]:
+        s, o, pl = p["best_lynx"], p["best_other"], p["planner"]
+        lines.append(f"| {p['prompt_len']} | {p['link']} | {s['label']} "
+                     f"| {s['median_ms']:.0f} | {s['last_token_ms']:.0f} | {o['label']} "
+                     f"| {o['median_ms']:.0f} | {o['last_token_ms']:.0f} "
+                     f"| {p['lynx_over_other']:.2f} | {pl['label']} | {pl['median_ms']:.0f} "
+                     f"| {p['planner_over_best']:.2f} |")
+    lines += ["", "Every case (TTFT median ms [95% CI], last token median ms):", ""]
+    for p in result["points"]:
+        lines.append(f"- S={p['prompt_len']} {p['link']}: " + "; ".join(
+            f"{r['label']} {r['median_ms']:.0f} [{r['ci95_ms'][0]:.0f}–{r['ci95_ms'][1]:.0f}] "
+            f"{r['last_token_median_ms']:.0f}"
+            for r in result["rows"] if r["prompt_len"] == p["prompt_len"]
+            and r["link"] == p["link"]))
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--policy", default="")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--prompt-len", default="512,2048")
+    parser.add_argument("--link-gbps", default="x1,x4,10")
+    parser.add_argument("--cuts", default="")
+    parser.add_argument("--codecs", default="int8,bf16")
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--warmups", type=int, default=1)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--markdown", metavar="FILE")
+    args = parser.parse_args(argv)
+    try:
+        args.prompt_len = [int(v) for v in args.prompt_len.split(",")]
+        args.cuts = [int(v) for v in args.cuts.split(",")] if args.cuts else []
+        args.codecs = [c for c in args.codecs.split(",") if c]
+    except ValueError:
+        parser.error("--prompt-len, --cuts: comma-separated integers")
+    try:
+        args.link_gbps = [LinkRate.parse(v) for v in args.link_gbps.split(",")]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if min(args.prompt_len) < 1:
+        parser.error("--prompt-len: positive")
+    if args.new_tokens < 1 or args.runs < 1 or args.warmups < 0:
+        parser.error("--new-tokens, --runs: at least 1; --warmups: at least 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    table = markdown(result)
+    print(table)
+    write_json(args.json, result, indent=1)
+    if args.markdown:
+        Path(args.markdown).write_text(table)
+    return 0 if all(c == 0 for c in result["meta"]["service_exit_codes"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
