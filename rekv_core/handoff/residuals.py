@@ -161,6 +161,14 @@ class PendingResiduals:
         for index, (k, v) in sorted(self._incoming.full.items()):
             cache.write(index, 0, k, v)
 
+    @property
+    def waited_ms(self) -> float:
+        """From the anchors in to the last residual in (0 until then)."""
+        incoming = self._incoming
+        if not incoming.residuals_done:
+            return 0.0
+        return max(0.0, incoming.residuals_done - incoming.done) * 1e3
+
     def abandon(self, why: str = "abandoned") -> None:
         """Stop the reading (the request aborted); nothing of it is kept."""
         incoming = self._incoming

@@ -14,8 +14,9 @@ their own; for transfer-only, the last position's final hidden state last. A tok
 layers whole, the suffix layers' rows [l, S), and the boundary's rows [0, l) first from a finished
 prefill or right after layer c − 1 from a live one (the decode side recomputes them while the
 suffix rows are still coming); then the head. Lynx's streams (`Action.progressive`) send each
-layer's anchor where the layer would go and every residual after the head, in layer order
-(`handoff.residuals`). It returns the
+layer's anchor where the layer would go and every residual after the head, in layer order, once
+everything before has left (a transport may move posted messages side by side; the residuals must
+not take the anchors' bandwidth) (`handoff.residuals`). It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
 message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
@@ -148,6 +149,10 @@ class _Posting:
         if self.hooks is not None:
             self.hooks.after_send(name)
 
+    def drain(self) -> None:
+        """Wait until every message posted so far has left (within the transfer's limits)."""
+        self.transport.flush(self.request_id, self.transfer.wait_s())
+
     def flush(self) -> None:
         self.transfer.advance(TransferState.JOINING)
         self.transport.flush(self.request_id, self.transfer.wait_s())
@@ -206,6 +211,8 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
             head = source.head().to(torch.bfloat16)
         send(HEAD, buffers={"h": tensor_bytes(head)})
         sent += WireBytes(head=head.numel() * BF16_BYTES)
+    if residuals:  # the transport may move posted messages side by side: the anchors leave first
+        send.drain()
     for index, buffers in sorted(residuals.items()):
         with streams.on_stream(stream):
             header = with_checksums(buffers, sealed=send.sealed)

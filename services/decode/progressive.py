@@ -54,8 +54,9 @@ async def verified_tokens(handoffs: Handoffs, call: GenerateCall, ids: list[int]
         residuals.abandon("the request ended")
         raise
     await _settle_reply(handed)
-    log.info("request=%s lynx drafted=%d accepted=%d emitted=%d", call.request_id,
-             continued.drafted, continued.accepted, len(continued.emitted))
+    log.info("request=%s lynx drafted=%d accepted=%d emitted=%d residuals_ms=%.1f "
+             "verified_ms=%.1f", call.request_id, continued.drafted, continued.accepted,
+             len(continued.emitted), residuals.waited_ms, (time.perf_counter() - began) * 1e3)
     report = dataclasses.replace(handed.report, bytes=handed.report.bytes + residuals.bytes)
     return continued.emitted, dataclasses.replace(handed, report=report, residuals=None,
                                                   reply=None)
