@@ -33,7 +33,7 @@ DEFAULT_NICE = {"prefill": 0, "decode": 19}
 HANDOFF_FAILURE_POLICIES = ("recompute", "fail")
 DECODE_PATHS = ("batched", "per_request")
 FAULTS = ("hold_negotiation", "hold_boundary", "hold_prefix", "flip_bit", "flip_late_bit",
-          "forge_checksum", "replay", "coarse_codec")
+          "flip_residual", "forge_checksum", "replay", "coarse_codec")
 BY_REQUEST = "by_request"
 
 

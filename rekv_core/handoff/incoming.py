@@ -39,9 +39,8 @@ from rekv_core.handoff.action import WireBytes
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import SealError, Sealing, decrypt, open_message
-from rekv_core.handoff.transfer import Transfer
 from rekv_core.handoff.residuals import anchor_layer, full_layer
-from rekv_core.handoff.transfer import TransferCancelled
+from rekv_core.handoff.transfer import Transfer, TransferCancelled
 from rekv_core.handoff.wire import (HEAD, boundary_name, layer_name, parse_layer_rows,
                                     residual_name)
 from rekv_core.model.cache import KVCache

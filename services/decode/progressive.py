@@ -14,9 +14,10 @@ When the residuals are lost (`ResidualsLost`) nothing drafted is sent: the worke
 for any failed handoff (`Handoffs.fallback`): it recomputes the prompt here (the first token
 already sent stands: it came from the prefill's exact hidden state), or with
 `on_handoff_failure = fail` the call ends with UNAVAILABLE. A request cancelled meanwhile
-abandons the residuals (the receive aborted). The `Handoff` call, whose reply follows the last
-residual, is given a grace afterwards (its reply is checked against the plan when it comes; a
-disagreeing or missing one is logged: the tokens were verified on the data plane's bytes).
+abandons the residuals (the receive aborted) and cancels the `Handoff` call. The call's reply,
+which follows the last residual, is not waited for: `Handoffs` checks it against the plan and
+learns from it when it comes (a disagreeing or missing one is logged: the tokens were verified on
+the data plane's bytes); the call's own deadline bounds it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import time
 from rekv_core.handoff.progressive import continue_on_anchors
 from rekv_core.handoff.residuals import ResidualsLost
 from services.calls import GenerateCall
-from services.decode.handoff import REPLY_GRACE_S, Handed, Handoffs
+from services.decode.handoff import Handed, Handoffs
 
 log = logging.getLogger("rekv.decode")
 
@@ -46,14 +47,14 @@ async def verified_tokens(handoffs: Handoffs, call: GenerateCall, ids: list[int]
         continued = await asyncio.to_thread(continue_on_anchors, worker.model, handed.cache,
                                             first, residuals, k, worker.connector.turns)
     except ResidualsLost as lost:
-        await _settle_reply(handed, lost=True)
+        if handed.reply is not None:
+            handed.reply.cancel()
         fallback = await handoffs.fallback_after_lost_residuals(
             ids, handed.cache.capacity, began, lost)
         return [], dataclasses.replace(fallback, logits=handed.logits)
     except BaseException:
-        residuals.abandon("the request ended")
+        let_go(handed, "the request ended")
         raise
-    await _settle_reply(handed)
     log.info("request=%s lynx drafted=%d accepted=%d emitted=%d residuals_ms=%.1f "
              "verified_ms=%.1f", call.request_id, continued.drafted, continued.accepted,
              len(continued.emitted), residuals.waited_ms, (time.perf_counter() - began) * 1e3)
@@ -62,14 +63,10 @@ async def verified_tokens(handoffs: Handoffs, call: GenerateCall, ids: list[int]
                                                   reply=None)
 
 
-async def _settle_reply(handed: Handed, lost: bool = False) -> None:
-    """Let the `Handoff` call end: its reply follows the last residual (`Handoffs` checks it and
-    reports the peer when it comes); a call past the grace, or after lost residuals, is
-    cancelled."""
-    rpc = handed.reply
-    if rpc is None:
-        return
-    if not lost:
-        await asyncio.wait({rpc}, timeout=REPLY_GRACE_S)
-    if not rpc.done():
-        rpc.cancel()
+def let_go(handed: Handed, why: str) -> None:
+    """Lynx's residuals, if `handed` still waits for them, abandoned (the receive aborted) and
+    its `Handoff` call cancelled; nothing otherwise."""
+    if handed.residuals is not None:
+        handed.residuals.abandon(why)
+    if handed.reply is not None:
+        handed.reply.cancel()

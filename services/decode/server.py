@@ -38,7 +38,7 @@ from services.calls import Completion, GenerateCall
 from rekv_core.engine import Stream
 from services.decode.canary import build_canary
 from services.decode.handoff import Handed, Handoffs
-from services.decode.progressive import verified_tokens
+from services.decode.progressive import let_go, verified_tokens
 from services.decode.connect_ahead import ConnectAhead
 from services.decode.prefill_pool import PrefillPool
 from services.decode.worker import DecodeWorker
@@ -168,7 +168,11 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
             span.set(ttft_ms=ttft * 1e3)
         span = trace.span("decode")
         text_so_far = tokenizer.decode(tokens) if tokenizer else ""
-        yield wire_convert.token_response(token, text_so_far)
+        try:
+            yield wire_convert.token_response(token, text_so_far)
+        except BaseException:  # the call ended: Lynx's residuals are not waited for
+            let_go(handed, "the request ended")
+            raise
         finish = self._finish(call, tokens)
         if finish is None and handed.residuals is not None:  # Lynx: what the residuals verify
             verified, handed = await verified_tokens(self.handoffs, call, ids, handed, token)
@@ -180,10 +184,8 @@ class DecodeServicer(rekv_pb2_grpc.DecodeServicer):
                 finish = self._finish(call, tokens)
                 if finish is not None:
                     break
-        elif handed.residuals is not None:  # one token asked for: the residuals are not needed
-            handed.residuals.abandon("the request needed only its first token")
-            if handed.reply is not None:
-                handed.reply.cancel()
+        else:  # one token asked for: Lynx's residuals, if any, are not needed
+            let_go(handed, "the request needed only its first token")
         if finish is None:
             more = (self._engine_tokens(call, handed, sampler, tokens) if worker.engine
                     else self._own_tokens(call, handed, sampler, tokens))

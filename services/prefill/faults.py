@@ -16,8 +16,9 @@ none, so that one process serves every kind of fault in turn.
 - `flip_bit`: flip one bit of the first message with a payload (the boundary, the token ids or
   layer 0) after it was sealed: what a bad link or a bad DIMM would do; `flip_late_bit`: the
   same in the last prefix layer c−1 (pipelined: its first rows), which the decode side can
-  recover by recomputing layers 0..c−1 alone (cut >= 1).
-  layer 0) after it was sealed: what a bad link or a bad DIMM would do.
+  recover by recomputing layers 0..c−1 alone (cut >= 1); `flip_residual`: the same in the first
+  residual of Lynx's streams (`residual.0`), which arrives after the decode side has sent its first
+  token and drafted on the anchors.
 - `forge_checksum`: change 5 bytes in the middle of the first payload of 8 bytes or more after
   it was sealed so that its checksum still holds (CRC32, on the host: XOR the CRC's generator
   polynomial, whose multiples leave it unchanged; wsum64, on a device: two words changed by
@@ -43,7 +44,7 @@ from rekv_core.codecs import Codec, EncodeContext, EncodedKV
 from rekv_core.codecs.checksum import default_algorithm
 from rekv_core.connector import Decision
 from rekv_core.handoff.transfer import Transfer
-from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name, layer_rows_name
+from rekv_core.handoff.wire import BOUNDARY, TOKENS, layer_name, layer_rows_name, residual_name
 from rekv_core.kernels.checksum_reference import WEIGHT_MODULUS
 from rekv_core.transport import Message, TransportSender
 from services.settings import BY_REQUEST, FAULTS
@@ -115,8 +116,9 @@ class _HandoffFaults:
 
     def before_send(self, message: Message) -> Message:
         fault = self.fault
-        late = fault == "flip_late_bit" and self.cut >= 1 and message.name in (
-            layer_name(self.cut - 1), layer_rows_name(self.cut - 1, 0))
+        late = (fault == "flip_late_bit" and self.cut >= 1 and message.name in (
+            layer_name(self.cut - 1), layer_rows_name(self.cut - 1, 0))) or (
+            fault == "flip_residual" and message.name == residual_name(0))
         if (late or fault == "flip_bit") and message.buffers and not self.flipped:
             self.flipped = True
             name, buffer = next(iter(message.buffers.items()))

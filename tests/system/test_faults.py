@@ -225,6 +225,19 @@ def test_tampered_messages_are_never_written_into_a_cache(cluster, reference, fa
     assert_nothing_held(cluster, cluster.decode, prefill)
 
 
+def test_a_lost_lynx_residual_falls_back_without_sending_an_unverified_token(cluster, reference):
+    """Lynx's streams with a bit flipped in the first residual: the decode side has sent the exact
+    first token and drafted on the anchors; the residual fails its checks, nothing drafted is
+    sent, the prompt is recomputed here, and the request completes with the reference's tokens."""
+    prefill = cluster.prefill()
+    before = fallbacks(cluster).get("integrity", 0)
+    result = cluster.request("flip_residual/lynx", forced=("int8", 15, "bf16", 0, True))
+    assert result.token_ids == reference
+    assert result.summary.fallback_reason.startswith("integrity"), result.summary
+    assert fallbacks(cluster)["integrity"] == before + 1
+    assert_nothing_held(cluster, cluster.decode, prefill)
+
+
 def test_a_process_without_the_key_cannot_inject_kv(cluster, reference):
     """While the real prefill holds each handoff before sending anything, another process sends
     forged messages under the open transfer's tags: rejected, and the request still completes."""

@@ -253,3 +253,27 @@ def test_the_offer_carries_the_engines_batch_and_budget():
         assert (offer.running_batch, offer.itl_budget_ms, offer.decode_step_ms) == (5, 170.0, 90.0)
     finally:
         connector.close()
+
+
+def test_lynx_drafts_what_fits_before_the_residuals_are_due(decode):
+    """Lynx's draft count: the residuals (half of each int8 layer's codes) at the link estimate
+    over the engine's step; without an engine the most (drafting stops when they land)."""
+    from rekv_core.plan.lynx_drafts import MAX_DRAFTS
+    assert decode.lynx_drafts(512, 30) == MAX_DRAFTS  # no engine
+    model = SimpleNamespace(shape=SHAPE, dtype=torch.float32)
+    calibration = DecodeCalibration(SHAPE, LayerCost([512], [2.0]), {"int8": 1.0})
+    state = SimpleNamespace(running=1, itl_budget_ms=170.0, step_ms=50.0)
+    connector = DecodeConnector(model, calibration, Receiver(), DecodeOptions(("int8",)),
+                                TransferBook(), engine_state=lambda: state)
+    try:
+        residual_bytes = 12 * SHAPE.kv_layer_bytes(2048, 1) / 2  # 12 layers of int8 codes
+        connector.observe_probe((2 << 20, 2 * 2**20 * 8 / 0.05e9))  # a 0.05 Gb/s link
+        wait_ms = residual_bytes * 8 / (connector.link_gbps * 1e9) * 1e3
+        assert connector.lynx_drafts(2048, 12) == min(MAX_DRAFTS, int(wait_ms // 50.0))
+        assert 0 < connector.lynx_drafts(2048, 2) < MAX_DRAFTS
+        connector.observe_probe((2 << 20, 2 * 2**20 * 8 / 100e9))  # much faster: none fit
+        for _ in range(20):
+            connector.observe_probe((2 << 20, 2 * 2**20 * 8 / 100e9))
+        assert connector.lynx_drafts(256, 1) == 0
+    finally:
+        connector.close()
