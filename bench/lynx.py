@@ -28,27 +28,15 @@ planner against the best forced case (goal: within 10%).
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import re
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rekv_cli.bench.handoff import LinkRate, prompt_ids  # noqa: E402
-from rekv_cli.bench.link.netns import EmulatedLink, unavailable  # noqa: E402
-from rekv_cli.bench.link.report import row  # noqa: E402
-from rekv_cli.bench.link.sweep import (LinkBenchConfig, balanced_gbps, run_client,  # noqa: E402
-                                       service_layout, start_services)
-from rekv_cli.bench.machine import cpu_model  # noqa: E402
-from rekv_cli.bench.provenance import provenance  # noqa: E402
-from rekv_cli.util import write_json  # noqa: E402
+from rekv_cli.bench.link import forced  # noqa: E402
 from rekv_core.model.blocks import EXEC_BLOCK  # noqa: E402
-from rekv_core.settings import RuntimeSettings  # noqa: E402
 
 CHUNKED = [True, EXEC_BLOCK]  # the services' default schedule: streamed, the boundary in chunks
 
@@ -103,72 +91,12 @@ def drafts_in_log(log: Path, S: int, number: int, warmups: int) -> tuple[int, in
 
 
 def run(args) -> dict:
-    started = provenance()
-    settings = RuntimeSettings.from_env(model=args.model, dtype=args.dtype)
-    model = settings.load_model()
-    shape = model.shape
-    L = shape.num_layers
-    cuts = args.cuts or [round(L * 0.4), round(L * 0.7)]
-    service_args = ["--dtype", args.dtype, "--model", settings.model]
-    if args.policy:
-        service_args += ["--policy", args.policy]
-    cores, role_args = service_layout(service_args)
-    why_not = unavailable()
-    log_dir = Path(tempfile.mkdtemp(prefix="rekv-lynx-"))
-    balanced = {S: balanced_gbps(model, prompt_ids(shape.vocab_size, S, 0), cores[1])[0]
-                for S in args.prompt_len}
-    config = LinkBenchConfig(warmups=args.warmups, runs=args.runs)
-    rows, points = [], []
-    link = None if why_not else EmulatedLink(args.link_gbps[0].gbps(balanced[args.prompt_len[0]]))
-    pair = None
-    try:
-        pair = start_services(role_args, log_dir, cores, link) if link else None
-        for rate in args.link_gbps:
-            for S in args.prompt_len:
-                gbps = rate.gbps(balanced[S])
-                if link:
-                    link.set_rate(gbps)
-                else:
-                    if pair is not None:
-                        pair.stop()
-                    pair = start_services(role_args, log_dir, cores, None, gbps)
-                cases = cases_for(L, cuts, args.codecs)
-                results = run_client(link.prefix("decode") if link else [], pair.decode_address,
-                                     S, shape.vocab_size, cases, config,
-                                     seed=random.Random(f"{S}-{rate.label}").randrange(1 << 30),
-                                     new_tokens=args.new_tokens)
-                point_rows = []
-                for number, (case, result) in enumerate(zip(cases, results)):
-                    r = row(shape, S, rate, gbps, result)
-                    r["role"] = case["role"]
-                    r["last_token_median_ms"] = statistics.median(result["last_token_ms"])
-                    drafts = drafts_in_log(log_dir / "decode.log", S, number, args.warmups)
-                    r["drafted"], r["accepted"] = drafts or (None, None)
-                    point_rows.append(r)
-                rows += point_rows
-                summary = point_summary(point_rows)
-                points.append({"prompt_len": S, "link": rate.label, "link_gbps": gbps,
-                               "balanced_gbps": balanced[S], **summary})
-                print(f"S={S} {rate.label} ({gbps:.3f} Gb/s): best {summary['best']['label']} "
-                      f"{summary['best']['median_ms']:.0f} ms; lynx/other "
-                      f"{summary['lynx_over_other']:.2f}; planner "
-                      f"{summary['planner_over_best']:.2f}", file=sys.stderr)
-        codes, pair = (pair.stop() if pair else {}), None
-    finally:
-        if pair is not None:
-            pair.stop()
-        if link:
-            link.close()
-    meta = {**started, "machine": cpu_model(), "cores": os.cpu_count(), "model": shape.name,
-            "dtype": args.dtype, "cuts": cuts, "codecs": args.codecs,
-            "new_tokens": args.new_tokens, "warmups": args.warmups, "runs": args.runs,
-            "link": "veth + tc tbf in two network namespaces" if not why_not
-            else f"loopback, paced UCX sends ({why_not})",
-            "service_cores": {"prefill": cores[0], "decode": cores[1]},
-            "service_exit_codes": codes,
-            "logs": str(log_dir),
-            "command": "python bench/lynx.py " + " ".join(sys.argv[1:])}
-    return {"meta": meta, "balanced_gbps": balanced, "rows": rows, "points": points}
+    def annotate(r: dict, number: int, S: int, log_dir: Path) -> None:
+        drafts = drafts_in_log(log_dir / "decode.log", S, number, args.warmups)
+        r["drafted"], r["accepted"] = drafts or (None, None)
+
+    return forced.sweep(args, "lynx", lambda L, S, cuts: cases_for(L, cuts, args.codecs),
+                        annotate, point_summary)
 
 
 def markdown(result: dict) -> str:
@@ -208,47 +136,14 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--policy", default="")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--prompt-len", default="512,2048")
-    parser.add_argument("--link-gbps", default="x1,x4,10")
-    parser.add_argument("--cuts", default="")
-    parser.add_argument("--codecs", default="int8,bf16")
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--warmups", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--json", metavar="FILE")
-    parser.add_argument("--markdown", metavar="FILE")
-    args = parser.parse_args(argv)
-    try:
-        args.prompt_len = [int(v) for v in args.prompt_len.split(",")]
-        args.cuts = [int(v) for v in args.cuts.split(",")] if args.cuts else []
-        args.codecs = [c for c in args.codecs.split(",") if c]
-    except ValueError:
-        parser.error("--prompt-len, --cuts: comma-separated integers")
-    try:
-        args.link_gbps = [LinkRate.parse(v) for v in args.link_gbps.split(",")]
-    except ValueError as exc:
-        parser.error(str(exc))
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if min(args.prompt_len) < 1:
         parser.error("--prompt-len: positive")
-    if args.new_tokens < 1 or args.runs < 1 or args.warmups < 0:
-        parser.error("--new-tokens, --runs: at least 1; --warmups: at least 0")
-    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    result = run(args)
-    table = markdown(result)
-    print(table)
-    write_json(args.json, result, indent=1)
-    if args.markdown:
-        Path(args.markdown).write_text(table)
-    return 0 if all(c == 0 for c in result["meta"]["service_exit_codes"].values()) else 1
+    args = forced.parse_args(__doc__.split("\n\n")[0], argv, _check)
+    return forced.main(args, run, markdown)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,13 @@ class LayerBytes(NamedTuple):
 SCALES_SUFFIX = ".scales"
 
 
+def dtype_of(name: str) -> torch.dtype:
+    """The torch dtype a header's `dtype` names (`dtype_name`'s inverse); ValueError otherwise."""
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     for name, value in _DTYPES.items():
         if value == dtype:

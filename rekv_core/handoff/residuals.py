@@ -30,6 +30,7 @@ import threading
 import torch
 
 from rekv_core.codecs import Codec, EncodedKV
+from rekv_core.codecs.base import dtype_of
 from rekv_core.codecs.lynx import BASE_CODEC, anchor_kv, merge_layer, split_layer
 from rekv_core.handoff.seal import check_checksums
 from rekv_core.handoff.transfer import TransferState
@@ -38,7 +39,6 @@ from rekv_core.transport import Message, TransportError
 
 ANCHOR_BUFFERS = ("k.anchor", "k.scales", "v.anchor", "v.scales")
 RESIDUAL_BUFFERS = ("k.residual", "v.residual")
-SOURCE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class ResidualsLost(RuntimeError):
@@ -68,16 +68,12 @@ def _checked(message: Message, names: tuple[str, ...], sizes: dict[str, int],
     return buffers
 
 
-def _int8_sizes(codec: Codec, shape: tuple[int, int, int]) -> dict[str, int]:
-    return dict(codec.buffer_layout(shape))
-
-
 def _source_dtype(message: Message, shape: tuple[int, int, int]) -> tuple[str, torch.dtype]:
     """The anchor header's source dtype, after its shape is checked against the plan's."""
     try:
         meta = json.loads(message.header)
         got, dtype = tuple(meta["shape"]), meta["dtype"]
-        torch_dtype = SOURCE_DTYPES[dtype]
+        torch_dtype = dtype_of(dtype)
     except (ValueError, KeyError, TypeError) as exc:
         raise TransportError(f"{message.name}: unreadable anchor header ({exc!r})") from None
     if got != shape:
@@ -91,7 +87,7 @@ def anchor_layer(message: Message, codec: Codec, shape: tuple[int, int, int],
     """An anchor message -> (K, V at anchor precision in the source dtype, the anchor buffers on
     `device`, the source dtype's name)."""
     dtype, torch_dtype = _source_dtype(message, shape)
-    int8 = _int8_sizes(codec, shape)
+    int8 = codec.buffer_layout(shape)
     sizes = {"k.anchor": int8["k.codes"] // 2, "k.scales": int8["k.scales"],
              "v.anchor": int8["v.codes"] // 2, "v.scales": int8["v.scales"]}
     buffers = _checked(message, ANCHOR_BUFFERS, sizes, sealed)
@@ -104,7 +100,7 @@ def full_layer(anchor: dict[str, torch.Tensor], dtype: str, message: Message, co
                shape: tuple[int, int, int], sealed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's anchor (source dtype `dtype`) and its residual message -> K and V as the
     `int8` codec decodes them."""
-    int8 = _int8_sizes(codec, shape)
+    int8 = codec.buffer_layout(shape)
     sizes = {"k.residual": int8["k.codes"] // 2, "v.residual": int8["v.codes"] // 2}
     residual = _checked(message, RESIDUAL_BUFFERS, sizes, sealed)
     device = anchor["k.anchor"].device
