@@ -12,12 +12,24 @@ recomputed on the decode side. The seed's five actions are the cases of that pai
 | `joint`           | 0 < c < L   | int8, int4, …  | b-bit prefix KV + BF16 boundary h_c (eq. 7) |
 | `token_split`     | 0 < c < L   | any            | KVPR: h_c of tokens [0, l) only, and layers |
 |                   |             |                | c..L−1's KV of tokens [l, S) in codec b     |
+| `layer_split`     | 1 ≤ c ≤ L   | any            | KVPR's per-layer form: each sent layer's    |
+|                   |             |                | input rows [0, l) (BF16), its KV of [l, S)  |
 
 A token split (`split` l > 0, KVPR's action, `handoff.token_split`) sends the boundary for the
 first l tokens only, which the decode side recomputes layers c..L−1 for, while those layers' KV of
 tokens [l, S) arrives in the codec with the prefix; the last position's final hidden state (`head`)
 gives the first logits, as for transfer-only. l is a multiple of `EXEC_BLOCK` below the prompt's
 length (so the recomputed rows are bit-identical to the prefill's); `split` 0 is no split.
+
+KVPR's per-layer form (`layer_split` l > 0, `handoff.token_split`) replaces, in every layer that
+travels as KV (the prefix, or every layer for transfer-only), the K and V of tokens [0, l) by the
+layer's input rows (its residual stream entering it, BF16), from which the decode side recomputes
+them (the layer's norm, K and V projections and RoPE: no attention); rows [l, S) travel in the
+codec. An input row is d values against a K and V row's 2·n_kv·d_h, so it pays only where
+n_h < 2·n_kv (multi-head attention; ReKV's Proposition 1). l is a multiple of `EXEC_BLOCK` below
+the prompt's length; recomputed from BF16 inputs, the rows are the prefill's bit for bit where the
+model runs in BF16 (the inputs' precision otherwise, as for the boundary). The kind and the quality
+gate's verdict are the codec's action's: the recomputed rows are exact.
 
 Lynx's progressive streams (`progressive`, an `int8` action with c ≥ 1, no split) send the same
 bytes in another order: every sent layer's anchor (the codes' top four bits, with the scales)
@@ -66,6 +78,7 @@ class Action:
     boundary: str = "bf16"  # how h_c travels (`BOUNDARY_CODINGS`); bf16 unless 0 < c < L
     split: int = 0  # l: the boundary's tokens (KVPR's token split); 0: every token's, no split
     progressive: bool = False  # Lynx: every layer's anchor before any residual (int8 only)
+    layer_split: int = 0  # l: KVPR's per-layer form, each sent layer's input rows [0, l)
 
     def __post_init__(self) -> None:
         if not 0 <= self.cut <= self.num_layers:
@@ -83,6 +96,15 @@ class Action:
             raise ValueError(f"progressive: Lynx's streams split {PROGRESSIVE_CODEC} codes, with "
                              f"a cut of at least 1 and no token split; got codec={self.codec}, "
                              f"cut={self.cut}, split={self.split}")
+        if (type(self.layer_split) is not int or self.layer_split < 0
+                or self.layer_split % EXEC_BLOCK):
+            raise ValueError(f"layer_split: must be a multiple of {EXEC_BLOCK} (0: none), got "
+                             f"{self.layer_split!r}")
+        if self.layer_split and (self.cut == 0 or self.split or self.progressive):
+            raise ValueError(f"layer_split: the per-layer form needs layers sent as KV (a cut of "
+                             f"at least 1), without a token split or Lynx's streams; got "
+                             f"cut={self.cut}, split={self.split}, "
+                             f"progressive={self.progressive}")
         if check_coding(self.boundary) != "bf16" and not self.sends_boundary:
             raise ValueError(f"boundary: only an interior cut sends one, cut is {self.cut} of "
                              f"{self.num_layers}")
@@ -141,17 +163,20 @@ class Action:
         return range(self.cut, self.num_layers)
 
     def check_prompt(self, seq_len: int) -> None:
-        """ValueError naming `split` when the split leaves no token to send as KV."""
-        if self.split and self.split >= seq_len:
-            raise ValueError(f"split: must be below the prompt's {seq_len} tokens, got "
-                             f"{self.split}")
+        """ValueError naming `split` (or `layer_split`) when it leaves no token to send as KV."""
+        for name in ("split", "layer_split"):
+            tokens = getattr(self, name)
+            if tokens and tokens >= seq_len:
+                raise ValueError(f"{name}: must be below the prompt's {seq_len} tokens, got "
+                                 f"{tokens}")
 
     def __str__(self) -> str:
         boundary = f", boundary={self.boundary}" if self.boundary != "bf16" else ""
         split = f", split={self.split}" if self.split else ""
         lynx = ", lynx" if self.progressive else ""
+        inputs = f", layer_split={self.layer_split}" if self.layer_split else ""
         return (f"{self.kind.value}(codec={self.codec}, cut={self.cut}/{self.num_layers}"
-                f"{boundary}{split}{lynx})")
+                f"{boundary}{split}{lynx}{inputs})")
 
 
 @dataclass(frozen=True)
@@ -196,14 +221,23 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
         return _split_bytes(action, shape, seq_len)
     if action.cut == 0:
         return WireBytes(tokens=seq_len * TOKEN_ID_BYTES)
-    per_layer = WireBytes.of_layer(action.registered_codec.layer_bytes(
-        (shape.num_kv_heads, seq_len, shape.head_dim)))
+    action.check_prompt(seq_len)
+    per_layer = sent_layer_bytes(action, shape, seq_len)
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:
         total += WireBytes(boundary=boundary_bytes(seq_len * shape.hidden_size, action.boundary))
     else:
         total += WireBytes(head=shape.hidden_size * BF16_BYTES)
     return total
+
+
+def sent_layer_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
+    """One layer sent as KV, in `prefix` and `scales`: its codec's bytes, or under the per-layer
+    form its BF16 input rows [0, l) (counted in `prefix`) and its coded rows [l, S)."""
+    rows = seq_len - action.layer_split
+    coded = WireBytes.of_layer(action.registered_codec.layer_bytes(
+        (shape.num_kv_heads, rows, shape.head_dim)))
+    return coded + WireBytes(prefix=action.layer_split * shape.hidden_size * BF16_BYTES)
 
 
 def before_residuals(action: Action, wire: WireBytes) -> WireBytes:

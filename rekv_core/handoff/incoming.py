@@ -15,7 +15,10 @@ one costs the handoff, not only a prefix layer), and the head. Lynx's streams
 cache, `anchors_in` set once the anchors, the boundary's chunks and any head are in) and then
 every residual (`residual.{i}`, in layer order), whose full layers are kept in `full` for the
 caller to write over the anchor rows (`residuals.PendingResiduals`); no layer is salvaged from a
-progressive handoff (`keep_verified` does not apply). `run()` never
+progressive handoff (`keep_verified` does not apply). KVPR's per-layer form (`Action.layer_split`
+l) sends each prefix layer's input rows [0, l) (`inputs.{i}`, in layer order), from which this
+thread recomputes the layer's K and V of those rows into the cache, and the layer's rows [l, S);
+a layer is verified once both are restored. `run()` never
 raises: a failure is kept in `error`, and a suffix waiting for a chunk is woken with it. With
 `keep_verified`, a prefix layer whose message fails its seal (MAC, decryption), its checksums or
 its codec's layout is lost instead (`losses`) and the reading goes on; a message that fails its
@@ -36,17 +39,20 @@ import torch
 from rekv_core import streams
 from rekv_core.codecs import EncodedKV, LayerBytes
 from rekv_core.handoff.action import WireBytes
+from rekv_core.handoff.boundary import decode_chunk
 from rekv_core.handoff.plan import HandoffPlan
 from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import SealError, Sealing, decrypt, open_message
 from rekv_core.handoff.residuals import anchor_layer, full_layer
 from rekv_core.handoff.transfer import Transfer, TransferCancelled
-from rekv_core.handoff.wire import (HEAD, boundary_name, layer_name, parse_layer_rows,
-                                    residual_name)
+from rekv_core.handoff.token_split import recompute_layer_kv
+from rekv_core.handoff.wire import (HEAD, boundary_name, inputs_name, layer_name,
+                                    parse_layer_rows, residual_name)
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import Model
 from rekv_core.transport import Message, TransportError, TransportReceiver
 from rekv_core.transport.arrivals import Arrival, link_sample
+from rekv_core.units import BF16_BYTES
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ class Incoming:
         self.num_chunks = len(plan.boundary_chunks)
         self.row_chunks = plan.prefix_row_chunks
         self.split = plan.action.split
+        self.layer_split = plan.action.layer_split
         self.progressive = plan.action.progressive
         self.keep_verified = keep_verified and not self.progressive
         self._anchors: dict[int, tuple[dict[str, torch.Tensor], str]] = {}  # until the residual
@@ -166,14 +173,18 @@ class Incoming:
             self._receive_in_token_order()
             return
         sent, with_head = self.action.sent_layers, self.action.sends_head
-        layer = chunk = 0
-        for _ in range(sent + self.num_chunks + with_head):
+        inputs = sent if self.layer_split else 0
+        layer = chunk = inputs_in = 0
+        for _ in range(sent + inputs + self.num_chunks + with_head):
             message = self._next()
-            if layer < sent and message.name == layer_name(layer):
+            if inputs_in < inputs and message.name == inputs_name(inputs_in):
+                self._restore_or_lose(inputs_in, message, restore=self._recompute)
+                inputs_in += 1
+            elif layer < sent and message.name == layer_name(layer):
                 if self.progressive:
                     self._restore_anchor(layer, _opened(message))
                 elif layer < c:
-                    self._restore_or_lose(layer, message)
+                    self._restore_or_lose(layer, message, self.layer_split)
                 else:  # not a prefix layer: a failure costs the handoff (no salvage)
                     self._restore(layer, _opened(message), self.split)
                 layer += 1
@@ -187,7 +198,8 @@ class Incoming:
             else:
                 _opened(message)  # a refused one: its seal's error
                 raise TransportError(f"request {self.inbound.request_id}: unexpected message "
-                                     f"{message.name!r} (after {layer} of {sent} layers and "
+                                     f"{message.name!r} (after {layer} of {sent} layers, "
+                                     f"{inputs_in} of {inputs} layers' inputs and "
                                      f"{chunk} of {self.num_chunks} boundary chunks)")
         if self.progressive:
             if self.cuda:
@@ -270,12 +282,14 @@ class Incoming:
     def verified(self) -> frozenset[int]:
         """The prefix layers whose every message was restored."""
         per_layer = 1 if self.row_chunks is None else len(self.row_chunks)
+        per_layer += 1 if self.layer_split else 0  # its input rows, its KV rows
         return frozenset(i for i, n in enumerate(self._restored)
                          if n == per_layer and i not in self.losses)
 
-    def _restore_or_lose(self, index: int, message: Message | Refused, *rows: int) -> None:
+    def _restore_or_lose(self, index: int, message: Message | Refused, *rows: int,
+                         restore=None) -> None:
         try:
-            self._restore(index, _opened(message), *rows)
+            (restore or self._restore)(index, _opened(message), *rows)
         except (TransportError, ValueError) as exc:  # SealError, CorruptPayloadError among them
             if not self.keep_verified:
                 raise
@@ -297,6 +311,17 @@ class Incoming:
         k, v = self.codec.decode(encoded, verify=not self.inbound.sealing.sealed)
         self.cache.write(index, s0, k.to(self.model.dtype), v.to(self.model.dtype))
         self.bytes += WireBytes.of_layer(encoded.layer_bytes())
+
+    def _recompute(self, index: int, message: Message) -> None:
+        """The per-layer form: layer `index`'s K and V of rows [0, l) from its input rows."""
+        rows = decode_chunk(message, (self.layer_split, self.model.shape.hidden_size), "bf16",
+                            self.inbound.sealing.sealed)
+        if self.decoding_began is None:
+            self.decoding_began = time.perf_counter()
+        k, v = recompute_layer_kv(self.model, index,
+                                  rows.to(self.model.device, self.model.dtype))
+        self.cache.write(index, 0, k, v)
+        self.bytes += WireBytes(prefix=rows.numel() * BF16_BYTES)
 
     def join_compute_stream(self, anchors: bool = False) -> None:
         """On CUDA: the compute stream waits for every restore (`anchors`: every restore of an

@@ -14,7 +14,8 @@
   its deadline (0: none).
 
 `to_bytes()` is the plan's wire form, the first message of every handoff (`wire.PLAN`: a JSON
-object of the action (with a token split's l, and whether Lynx's streams carry it), the prompt
+object of the action (with a token split's l, whether Lynx's streams carry it, and the per-layer
+form's l), the prompt
 length, the model's dimensions, the prediction and the delivery);
 `from_bytes(raw, shape)` reads it back against the receiver's model (`ValueError` naming the field).
 The codebook does not travel: every coded buffer carries its own in its header.
@@ -88,8 +89,10 @@ class Delivery:
 
 def can_pipeline(action: Action, codec: Codec) -> bool:
     """Whether `action` can go in token order: an interior cut, a codec that ranks no tokens, and
-    not Lynx's streams (their anchors go before every residual, in layer order)."""
-    return action.sends_boundary and codec.importance_window == 0 and not action.progressive
+    not Lynx's streams (their anchors go before every residual, in layer order) nor KVPR's
+    per-layer form (a layer's input rows go whole, before its KV rows)."""
+    return (action.sends_boundary and codec.importance_window == 0 and not action.progressive
+            and not action.layer_split)
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,8 @@ class HandoffPlan:
             raise ValueError("pipelined: a token split goes in layer order")
         if self.delivery.pipelined and self.action.progressive:
             raise ValueError("pipelined: Lynx's streams go in layer order")
+        if self.delivery.pipelined and self.action.layer_split:
+            raise ValueError("pipelined: KVPR's per-layer form goes in layer order")
         if self.delivery.pipelined and not self.action.sends_boundary:
             raise ValueError("pipelined: needs an interior cut (0 < c < L)")
         if self.delivery.pipelined and self.codec.importance_window:
@@ -171,7 +176,7 @@ class HandoffPlan:
             "hidden_size": s.hidden_size, "num_kv_heads": s.num_kv_heads, "head_dim": s.head_dim,
             "expect_ms": self.predicted_ms, "streamed": d.streamed,
             "chunk_tokens": d.chunk_tokens, "boundary": a.boundary, "pipelined": d.pipelined,
-            "split": a.split, "progressive": a.progressive,
+            "split": a.split, "progressive": a.progressive, "layer_split": a.layer_split,
         }).encode()
 
     @classmethod
@@ -188,7 +193,7 @@ class HandoffPlan:
         if data:
             raise ValueError(f"plan: unknown fields {sorted(data)}")
         for name in ("cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim",
-                     "chunk_tokens", "split"):
+                     "chunk_tokens", "split", "layer_split"):
             if type(fields[name]) is not int or fields[name] < 0:
                 raise ValueError(f"plan: {name} must be a non-negative integer, got "
                                  f"{fields[name]!r}")
@@ -208,7 +213,8 @@ class HandoffPlan:
                              f"receiver's {theirs}")
         try:
             action = Action(fields["codec"], fields["cut"], fields["num_layers"],
-                            fields["boundary"], fields["split"], fields["progressive"])
+                            fields["boundary"], fields["split"], fields["progressive"],
+                            fields["layer_split"])
             delivery = Delivery(fields["streamed"], fields["chunk_tokens"],
                                 Order.TOKENS if fields["pipelined"] else Order.LAYERS)
             return cls(action, fields["seq_len"], shape, delivery,
@@ -219,4 +225,4 @@ class HandoffPlan:
 
 _REQUIRED = ("codec", "cut", "num_layers", "seq_len", "hidden_size", "num_kv_heads", "head_dim")
 _OPTIONAL = {"expect_ms": 0.0, "streamed": False, "chunk_tokens": 0, "boundary": "bf16",
-             "pipelined": False, "split": 0, "progressive": False}
+             "pipelined": False, "split": 0, "progressive": False, "layer_split": 0}

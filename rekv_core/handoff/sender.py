@@ -16,7 +16,9 @@ prefill or right after layer c − 1 from a live one (the decode side recomputes
 suffix rows are still coming); then the head. Lynx's streams (`Action.progressive`) send each
 layer's anchor where the layer would go and every residual after the head, in layer order, once
 everything before has left (a transport may move posted messages side by side; the residuals must
-not take the anchors' bandwidth) (`handoff.residuals`). It returns the
+not take the anchors' bandwidth) (`handoff.residuals`). KVPR's per-layer form
+(`Action.layer_split` l) sends each layer's input rows [0, l) in BF16 right before the layer, whose
+message then carries its rows [l, S). It returns the
 seconds spent encoding (Q) and the bytes sent by kind. The receiver must have opened the request
 first. The handoff's `Transfer` bounds it: a cancelled or late handoff stops before its next
 message and gives up what it posted. Every message is sealed with the handoff's key (a MAC
@@ -48,7 +50,7 @@ from rekv_core.handoff.seal import Sealing, encrypt, seal, with_checksums
 from rekv_core.handoff.source import ChunkedPrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer, TransferState
 from rekv_core.handoff.residuals import split_encoded
-from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, boundary_name, layer_name,
+from rekv_core.handoff.wire import (HEAD, PLAN, TOKENS, boundary_name, inputs_name, layer_name,
                                     layer_rows_name, residual_name, tensor_bytes)
 from rekv_core.transport import Message, TransportSender
 from rekv_core.units import BF16_BYTES, TOKEN_ID_BYTES
@@ -110,6 +112,9 @@ def _check_source(plan: HandoffPlan, source: PrefillSource) -> None:
     if not source.pipelined and source.through != plan.action.sent_layers:
         raise ValueError(f"source: yields layers [0, {source.through}), the plan sends "
                          f"[0, {plan.action.sent_layers})")
+    if not source.pipelined and source.input_rows != plan.action.layer_split:
+        raise ValueError(f"source: carries {source.input_rows} input rows per layer, the plan's "
+                         f"per-layer form sends {plan.action.layer_split}")
     if source.pipelined and source.bounds != plan.boundary_chunks:
         raise ValueError("source: a prefill in token chunks must run in the boundary's chunks")
 
@@ -174,7 +179,7 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
         return report
 
     quantize = 0.0
-    split = action.split
+    split, inputs = action.split, action.layer_split
     residuals: dict[int, dict[str, torch.Tensor]] = {}  # Lynx: sent after every anchor
     with contextlib.closing(source.layers()) as layers:
         for layer in layers:
@@ -182,9 +187,16 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
             # and its K and V are not given to another tensor before the encoding has read them
             streams.wait_ready(None, (layer.keys, layer.values), stream)
             keys, values, importance = layer.keys, layer.values, layer.importance
-            if layer.index >= action.cut:  # a token split's suffix layer: rows [l, S)
-                keys, values = keys[:, split:].contiguous(), values[:, split:].contiguous()
-                importance = None if importance is None else importance[split:]
+            rows = split if layer.index >= action.cut else inputs  # the rows not sent as KV
+            if rows:  # a token split's suffix layer, or the per-layer form: rows [l, S)
+                keys, values = keys[:, rows:].contiguous(), values[:, rows:].contiguous()
+                importance = None if importance is None else importance[rows:]
+            if inputs:  # the per-layer form: the layer's input rows [0, l) first
+                with streams.on_stream(stream):
+                    x = layer.inputs.to(torch.bfloat16)
+                send(inputs_name(layer.index), buffers={"h": tensor_bytes(x)},
+                     state=TransferState.PREFIX)
+                sent += WireBytes(prefix=x.numel() * BF16_BYTES)
             start = time.perf_counter()
             with streams.on_stream(stream):
                 encoded = plan.codec.encode(

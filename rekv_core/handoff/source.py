@@ -10,7 +10,9 @@ transfer-only, the last position's final hidden state (`head()`, once `layers()`
 
 Both that and `LivePrefill` take `through` (default: the cut): `layers()` yields layers
 [0, through), and `head()` is the final hidden state after layer through − 1 (a token split sends
-layers past the cut too, `through` = L, and the head).
+layers past the cut too, `through` = L, and the head); and `input_rows` l (KVPR's per-layer form):
+each yielded layer also carries its input rows [0, l) (`ProducedLayer.inputs`; a finished prefill
+must have kept h_i for every layer it yields).
 - `LivePrefill(model, token_ids, cut)`: runs the prefill one layer at a time as the sender asks for
   the next one, so layer i is encoded and on the wire while layer i+1 computes, and stops at the
   cut: layers c..L−1 are the decode side's (partial prefill; token-only computes nothing). With
@@ -47,6 +49,7 @@ class ProducedLayer:
     keys: torch.Tensor  # [n_kv, S, d_h]
     values: torch.Tensor
     importance: torch.Tensor | None = None  # [S], for codecs that rank tokens
+    inputs: torch.Tensor | None = None  # [l, d]: the layer's input rows [0, l) (per-layer form)
 
 
 @dataclass(frozen=True)
@@ -75,16 +78,20 @@ class FinishedPrefill:
     streamed = pipelined = False
 
     def __init__(self, state: PrefillOutput, token_ids: Sequence[int], cut: int,
-                 through: int | None = None):
+                 through: int | None = None, input_rows: int = 0):
         self.state, self.token_ids, self.cut = state, token_ids, cut
         self.through = cut if through is None else through
+        self.input_rows = input_rows
+        if input_rows and not all(i in state.hidden for i in range(self.through)):
+            raise ValueError("input_rows: the prefill did not keep every sent layer's input")
         self.device = state.keys[0].device if state.keys else torch.device("cpu")
 
     def layers(self) -> Iterator[ProducedLayer]:
         scores = self.state.importance
         for index in range(self.through):
+            inputs = self.state.hidden[index][:self.input_rows] if self.input_rows else None
             yield ProducedLayer(index, self.state.keys[index], self.state.values[index],
-                                scores[index] if index < len(scores) else None)
+                                scores[index] if index < len(scores) else None, inputs)
 
     def boundary(self) -> torch.Tensor:
         return self.state.hidden[self.cut]
@@ -112,7 +119,7 @@ class LivePrefill(_ComputingSource):
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
                  on_done: Callable[[], None] | None = None, importance_window: int = 0,
-                 through: int | None = None):
+                 through: int | None = None, input_rows: int = 0):
         if not 0 <= cut <= model.shape.num_layers:
             raise ValueError(f"cut: must lie in [0, {model.shape.num_layers}], got {cut}")
         self.model, self.token_ids, self.cut = model, token_ids, cut
@@ -121,6 +128,7 @@ class LivePrefill(_ComputingSource):
             raise ValueError(f"through: must lie in [{cut}, {model.shape.num_layers}], got "
                              f"{self.through}")
         self.importance_window = importance_window
+        self.input_rows = input_rows
         self.device = model.device
         super().__init__(on_done)
         self._h: torch.Tensor | None = None
@@ -145,7 +153,9 @@ class LivePrefill(_ComputingSource):
                             torch.cuda.current_stream(model.device).synchronize()
                         self.close()
                     self.compute_s += time.perf_counter() - started
-                    yield ProducedLayer(step.index, step.keys, step.values, step.importance)
+                    inputs = step.hidden_in[:self.input_rows] if self.input_rows else None
+                    yield ProducedLayer(step.index, step.keys, step.values, step.importance,
+                                        inputs)
                     started = time.perf_counter()
         finally:
             self.close()

@@ -17,7 +17,9 @@ sends, for each chunk in turn, its boundary rows and then its rows of every pref
 (`Action.split` l) sends the boundary's rows [0, l) only, `layer.0` … `layer.{L-1}` (layers c and
 on: their rows [l, S)) and `head` last. Lynx's streams (`Action.progressive`) send each layer's
 anchor as `layer.{i}` in the layers' order and place, then, after the head, every layer's residual,
-`residual.0` … `residual.{c-1}` (`handoff.residuals`).
+`residual.0` … `residual.{c-1}` (`handoff.residuals`). KVPR's per-layer form (`Action.layer_split`
+l) sends, right before each `layer.{i}` (which then carries its rows [l, S)), `inputs.{i}`: the
+layer's input rows [0, l) in BF16.
 
 `WIRE_FORMAT` is the version of this layout (with the plan's and boundary's headers); it is part of
 the model fingerprint (`handoff.fingerprint`), so workers that lay a handoff out differently never
@@ -29,12 +31,17 @@ from __future__ import annotations
 import torch
 
 PLAN, TOKENS, BOUNDARY, HEAD = "plan", "tokens", "boundary", "head"
-WIRE_FORMAT = 4  # bump when a message's name, order, header or seal changes (2: MAC over
-# bytes; 3: the plan's token split, and its suffix rows and head; 4: Lynx's anchors and residuals)
+WIRE_FORMAT = 5  # bump when a message's name, order, header or seal changes (2: MAC over
+# bytes; 3: the plan's token split, and its suffix rows and head; 4: Lynx's anchors and residuals;
+# 5: KVPR's per-layer form, its input rows)
 
 
 def layer_name(index: int) -> str:
     return f"layer.{index}"
+
+
+def inputs_name(index: int) -> str:
+    return f"inputs.{index}"
 
 
 def residual_name(index: int) -> str:

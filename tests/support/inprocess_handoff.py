@@ -30,7 +30,8 @@ def planned(model, ids, action, source, chunk_tokens=0, codec=None, predicted_ms
     """(plan, source): `source` a `PrefillOutput` (made a `FinishedPrefill`) or any source; the
     plan goes as the source does (streamed, token order) with the boundary in `chunk_tokens`."""
     if isinstance(source, PrefillOutput):
-        source = FinishedPrefill(source, ids, action.cut, action.sent_layers)
+        source = FinishedPrefill(source, ids, action.cut, action.sent_layers,
+                                 input_rows=action.layer_split)
     delivery = Delivery(source.streamed, chunk_tokens,
                         Order.TOKENS if source.pipelined else Order.LAYERS)
     return HandoffPlan(action, len(ids), model.shape, delivery, codec,
