@@ -100,12 +100,7 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    meta = result["meta"]
-    lines = [f"# Lynx's progressive streams across the emulated link ({meta['model']}, "
-             f"{meta['dtype']})", "", f"`{meta['command']}`, commit {meta['commit']} (clean tree: "
-             f"{meta['tree_clean']}), {meta['machine']}, {meta['link']}; "
-             f"{meta['runs']} timed rounds after {meta['warmups']} warm-up, cases shuffled "
-             f"each round; {meta['new_tokens']} greedy tokens a call.", "",
+    lines = [*forced.heading("Lynx's progressive streams", result),
              "Lynx against the same int8 action in one stream (TTFT ratio, last-token ratio, "
              "drafts accepted/made over the timed calls):", "",
              "| S | link | Gb/s | cut | TTFT lynx/int8 | last token lynx/int8 | accepted/drafted |",
@@ -116,24 +111,8 @@ def markdown(result: dict) -> str:
             lines.append(f"| {p['prompt_len']} | {p['link']} | {p['link_gbps']:.3f} | {v['cut']} "
                          f"| {v['ttft']:.2f} | {v['last_token']:.2f} | {drafts} |")
     lines += ["", "The best Lynx case against the best other forced case, and the planner:", "",
-              "| S | link | best lynx | ms | last token | best other | ms | last token "
-              "| lynx/other | planner | ms | planner/best |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for p in result["points"]:
-        s, o, pl = p["best_lynx"], p["best_other"], p["planner"]
-        lines.append(f"| {p['prompt_len']} | {p['link']} | {s['label']} "
-                     f"| {s['median_ms']:.0f} | {s['last_token_ms']:.0f} | {o['label']} "
-                     f"| {o['median_ms']:.0f} | {o['last_token_ms']:.0f} "
-                     f"| {p['lynx_over_other']:.2f} | {pl['label']} | {pl['median_ms']:.0f} "
-                     f"| {p['planner_over_best']:.2f} |")
-    lines += ["", "Every case (TTFT median ms [95% CI], last token median ms):", ""]
-    for p in result["points"]:
-        lines.append(f"- S={p['prompt_len']} {p['link']}: " + "; ".join(
-            f"{r['label']} {r['median_ms']:.0f} [{r['ci95_ms'][0]:.0f}–{r['ci95_ms'][1]:.0f}] "
-            f"{r['last_token_median_ms']:.0f}"
-            for r in result["rows"] if r["prompt_len"] == p["prompt_len"]
-            and r["link"] == p["link"]))
-    return "\n".join(lines) + "\n"
+              *forced.best_against_other(result, "lynx", "best_lynx", "lynx_over_other")]
+    return "\n".join([*lines, "", *forced.every_case(result)]) + "\n"
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -81,30 +81,9 @@ def run(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    meta = result["meta"]
-    lines = [f"# KVPR's token split across the emulated link ({meta['model']}, {meta['dtype']})",
-             "", f"`{meta['command']}`, commit {meta['commit']} (clean tree: "
-             f"{meta['tree_clean']}), {meta['machine']}, {meta['link']}; "
-             f"{meta['runs']} timed rounds after {meta['warmups']} warm-up, cases shuffled "
-             f"each round; {meta['new_tokens']} new tokens a call.", "",
-             "| S | link | Gb/s | best split | ms | last token | best other | ms | last token "
-             "| split/other | planner | ms | planner/best |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for p in result["points"]:
-        s, o, pl = p["best_split"], p["best_other"], p["planner"]
-        lines.append(f"| {p['prompt_len']} | {p['link']} | {p['link_gbps']:.3f} | {s['label']} "
-                     f"| {s['median_ms']:.0f} | {s['last_token_ms']:.0f} | {o['label']} "
-                     f"| {o['median_ms']:.0f} | {o['last_token_ms']:.0f} "
-                     f"| {p['split_over_other']:.2f} | {pl['label']} | {pl['median_ms']:.0f} "
-                     f"| {p['planner_over_best']:.2f} |")
-    lines += ["", "Every case (TTFT median ms [95% CI], last token median ms):", ""]
-    for p in result["points"]:
-        lines.append(f"- S={p['prompt_len']} {p['link']}: " + "; ".join(
-            f"{r['label']} {r['median_ms']:.0f} [{r['ci95_ms'][0]:.0f}–{r['ci95_ms'][1]:.0f}] "
-            f"{r['last_token_median_ms']:.0f}"
-            for r in result["rows"] if r["prompt_len"] == p["prompt_len"]
-            and r["link"] == p["link"]))
-    return "\n".join(lines) + "\n"
+    lines = [*forced.heading("KVPR's token split", result),
+             *forced.best_against_other(result, "split", "best_split", "split_over_other")]
+    return "\n".join([*lines, "", *forced.every_case(result)]) + "\n"
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

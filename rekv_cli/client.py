@@ -36,8 +36,8 @@ def generate_request(request_id: str, prompt: str | Sequence[int], max_new_token
                      sampling: dict | None = None, stop_at_eos: bool | None = None,
                      forced_schedule: tuple | None = None, quality: str | None = None):
     """`forced_action`: (codec, cut), (codec, cut, boundary coding), (codec, cut, boundary
-    coding, token split l) or (codec, cut, boundary coding, token split l, progressive);
-    `forced_schedule`:
+    coding, token split l), (codec, cut, boundary coding, token split l, progressive) or (codec,
+    cut, boundary coding, token split l, progressive, per-layer form's l); `forced_schedule`:
     (streamed, boundary chunk tokens) or (streamed, boundary chunk tokens, pipelined)."""
     request = rekv_pb2.GenerateRequest(request_id=request_id, max_new_tokens=max_new_tokens)
     if quality is not None:
@@ -54,6 +54,8 @@ def generate_request(request_id: str, prompt: str | Sequence[int], max_new_token
             request.forced_action.split_tokens = forced_action[3]
         if len(forced_action) > 4:
             request.forced_action.progressive = forced_action[4]
+        if len(forced_action) > 5:
+            request.forced_action.layer_split_tokens = forced_action[5]
     if sampling is not None:
         request.sampling.CopyFrom(rekv_pb2.SamplingParams(**sampling))
     if stop_at_eos is not None:

@@ -119,6 +119,9 @@ class ServiceSettings(RuntimeSettings):
     # anchor before any residual; the decode worker drafts on the anchors) where the decode
     # worker takes them
     lynx_streams: bool = True
+    # prefill: let the planner rank KVPR's per-layer form (each sent layer's input rows for the
+    # first l tokens, its KV of the rest) where the decode worker takes it
+    layer_split: bool = True
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
     boundary_chunk_tokens: int = 256

@@ -33,7 +33,7 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
         raise InvalidArgument(f"{field}.cut: must lie in [0, {num_layers}], got {message.cut}")
     try:
         return Action(message.codec, message.cut, num_layers, message.boundary or "bf16",
-                      message.split_tokens, message.progressive)
+                      message.split_tokens, message.progressive, message.layer_split_tokens)
     except ValueError as exc:
         raise InvalidArgument(_action_field(field, exc)) from None
 
@@ -41,12 +41,12 @@ def action_from_proto(message, num_layers: int, field: str = "forced_action") ->
 def _action_field(field: str, exc: ValueError) -> str:
     """An `Action`'s "name: why" as "field.name: why", in the proto's names of its fields."""
     name, _, why = str(exc).partition(":")
-    name = "split_tokens" if name == "split" else name
+    name = f"{name}_tokens" if name in ("split", "layer_split") else name
     return f"{field}.{name}:{why}"
 
 
 def check_forced_split(forced: Action | None, prompt_len: int) -> None:
-    """A forced token split must leave tokens to send as KV."""
+    """A forced token split or per-layer form must leave tokens to send as KV."""
     try:
         if forced is not None:
             forced.check_prompt(prompt_len)
@@ -56,7 +56,8 @@ def check_forced_split(forced: Action | None, prompt_len: int) -> None:
 
 def action_to_proto(action: Action):
     return rekv_pb2.Action(codec=action.codec, cut=action.cut, boundary=action.boundary,
-                           split_tokens=action.split, progressive=action.progressive)
+                           split_tokens=action.split, progressive=action.progressive,
+                           layer_split_tokens=action.layer_split)
 
 
 def delivery_from_proto(message, field: str = "forced_schedule") -> Delivery:
@@ -70,9 +71,8 @@ def delivery_from_proto(message, field: str = "forced_schedule") -> Delivery:
 
 
 def delivery_to_proto(delivery: Delivery):
-    return rekv_pb2.Schedule(streamed=delivery.streamed,
-                             boundary_chunk_tokens=delivery.chunk_tokens,
-                             pipelined=delivery.pipelined)
+    return rekv_pb2.Schedule(streamed=delivery.streamed, pipelined=delivery.pipelined,
+                             boundary_chunk_tokens=delivery.chunk_tokens)
 
 
 def wire_bytes_to_proto(wire: WireBytes):
@@ -192,9 +192,9 @@ def handoff_request(call: HandoffCall):
                                  for kind, ratio in costs.evidence.over_model.items()},
             measured=measured, accepts_streamed=offer.accepts_streamed,
             accepts_pipelined=offer.accepts_pipelined, boundary_chunk_tokens=offer.chunk_tokens,
-            accepts_token_split=offer.accepts_token_split,
+            accepts_token_split=offer.accepts_token_split, running_batch=offer.running_batch,
             accepts_progressive=offer.accepts_progressive, model_fingerprint=offer.fingerprint,
-            running_batch=offer.running_batch, itl_budget_ms=offer.itl_budget_ms,
+            accepts_layer_split=offer.accepts_layer_split, itl_budget_ms=offer.itl_budget_ms,
             decode_step_ms=offer.decode_step_ms))
     if call.forced_action is not None:
         request.forced_action.CopyFrom(action_to_proto(call.forced_action))
@@ -258,6 +258,7 @@ def handoff_call(request, model: str, num_layers: int) -> HandoffCall:
                           accepts_pipelined=offer.accepts_pipelined, chunk_tokens=chunk,
                           accepts_token_split=offer.accepts_token_split,
                           accepts_progressive=offer.accepts_progressive, computing=offer.computing,
+                          accepts_layer_split=offer.accepts_layer_split,
                           backlog_ms=_amount(offer.backlog_ms, "offer.backlog_ms"),
                           planned=_planned(offer.planned_transfers),
                           fingerprint=offer.model_fingerprint,
@@ -274,7 +275,6 @@ def _check_fingerprint(fingerprint: str) -> None:
     if not is_fingerprint(fingerprint):
         raise InvalidArgument(f"offer.model_fingerprint: must be 64 lower-case hex digits, got "
                               f"{fingerprint[:80]!r}")
-
 
 
 def _planned(ids) -> frozenset[str]:

@@ -49,6 +49,7 @@ class DecodeOffer:
     accepts_pipelined: bool = True  # it takes one in token order (`Order.TOKENS`)
     accepts_token_split: bool = True  # it takes KVPR's token split (`Action.split`)
     accepts_progressive: bool = True  # it takes Lynx's streams (`Action.progressive`)
+    accepts_layer_split: bool = True  # it takes KVPR's per-layer form (`Action.layer_split`)
     chunk_tokens: int = 0  # the boundary chunk size it asks for
     computing: int = 0  # its other requests computing now (generating, or running a suffix)
     backlog_ms: float = 0.0  # compute committed to it by planned handoffs, not yet done

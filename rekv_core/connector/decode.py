@@ -152,7 +152,7 @@ class DecodeConnector:
                            queue_depth=queue, handoffs_in_flight=in_flight,
                            costs=self.calibration.offer(prompt_len, self.load.sharers()),
                            accepts_streamed=True, accepts_pipelined=True, accepts_token_split=True,
-                           accepts_progressive=True,
+                           accepts_progressive=True, accepts_layer_split=True,
                            chunk_tokens=self.options.chunk_tokens,
                            computing=self.load.computing(), backlog_ms=backlog.ms,
                            planned=backlog.planned, fingerprint=self.options.fingerprint,

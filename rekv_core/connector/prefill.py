@@ -8,9 +8,10 @@ the order a `Prefill.Handoff` call uses them:
 
 - `check(call)`: an offer from a worker of another model (`ModelMismatch`: its fingerprint is not
   `options.fingerprint`), a forced action or delivery this worker cannot serve (`BadRequest`
-  naming `forced_action.codec`, `forced_action.split_tokens` (a split not below the prompt's
-  length) or `forced_schedule.*`), or a forced lossy action under the
-  `lossless` quality setting (naming `forced_action` and `quality`);
+  naming `forced_action.codec`, `forced_action.split_tokens` or `forced_action.layer_split_tokens`
+  (one not below the prompt's length, or not taken by the decode worker) or `forced_schedule.*`),
+  or a forced lossy action under the `lossless` quality setting (naming `forced_action` and
+  `quality`);
 - `decide(call, queue)`: the `Decision` among the actions the call's quality setting allows
   (`plan.quality`), whose `plan` (`HandoffPlan`) says what to send and how:
   the delivery is the forced one or this worker's default (streamed where the decode worker takes
@@ -62,6 +63,7 @@ class PrefillOptions:
     fingerprint: str = ""  # its model's fingerprint (hex, `handoff.fingerprint`)
     token_split: bool = True  # let the planner rank token splits where the decode worker takes them
     lynx_streams: bool = True  # let it rank Lynx's streams of int8 actions where it takes them
+    layer_split: bool = True  # let it rank KVPR's per-layer form where the decode worker takes it
 
 
 @dataclass(frozen=True)
@@ -115,12 +117,19 @@ class PrefillConnector:
         if (forced is not None and forced.progressive and call.forced_delivery is not None
                 and call.forced_delivery.pipelined):
             raise BadRequest("forced_schedule.pipelined: Lynx's streams go in layer order")
+        if forced is not None and forced.layer_split and not call.offer.accepts_layer_split:
+            raise BadRequest("forced_action.layer_split_tokens: the decode worker does not take "
+                             "KVPR's per-layer form")
+        if (forced is not None and forced.layer_split and call.forced_delivery is not None
+                and call.forced_delivery.pipelined):
+            raise BadRequest("forced_schedule.pipelined: KVPR's per-layer form goes in layer "
+                             "order")
         if forced is not None and call.token_ids:
             try:
                 forced.check_prompt(len(call.token_ids))
-            except ValueError as exc:  # "split: ...", the proto's split_tokens
-                raise BadRequest(f"forced_action.{exc}".replace(".split:", ".split_tokens:")
-                                 ) from None
+            except ValueError as exc:  # "split: ..." or "layer_split: ...", the proto's *_tokens
+                name, _, why = str(exc).partition(":")
+                raise BadRequest(f"forced_action.{name}_tokens:{why}") from None
         self._delivery(call)
 
     def decide(self, call: HandoffCall, queue: int = 0) -> Decision:
@@ -137,7 +146,8 @@ class PrefillConnector:
             self._orders(call, delivery, queue),
             Queues(queue, offer.computing, self.backlog.ms, offer.backlog_ms + unseen),
             token_splits=self.options.token_split and offer.accepts_token_split,
-            progressive=self.options.lynx_streams and offer.accepts_progressive)
+            progressive=self.options.lynx_streams and offer.accepts_progressive,
+            layer_splits=self.options.layer_split and offer.accepts_layer_split)
         decision = self.planner.decide(inputs, common_codecs(self.options.codecs, offer.codecs),
                                        costs.evidence, call.forced_action, call.quality)
         share = decision.plan.boundary_rows / decision.plan.seq_len  # a split's first l rows
@@ -216,17 +226,18 @@ class PrefillConnector:
 
     def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once) -> PrefillSource:
         cut, window = plan.action.cut, plan.codec.importance_window
-        through = plan.action.sent_layers
+        through, rows = plan.action.sent_layers, plan.action.layer_split
         if plan.pipelined:
             return ChunkedPrefill(self.model, call.token_ids, cut, plan.chunk_tokens,
                                   on_done=release)
         if plan.streamed:
             return LivePrefill(self.model, call.token_ids, cut, on_done=release,
-                               importance_window=window, through=through)
-        out = prefill(self.model, call.token_ids, boundaries={cut, self.shape.num_layers},
-                      importance_window=window)
+                               importance_window=window, through=through, input_rows=rows)
+        inputs = set(range(through)) if rows else set()  # every sent layer's input rows
+        out = prefill(self.model, call.token_ids, importance_window=window,
+                      boundaries={cut, self.shape.num_layers} | inputs)
         release()
-        return FinishedPrefill(out, call.token_ids, cut, through)
+        return FinishedPrefill(out, call.token_ids, cut, through, input_rows=rows)
 
     def probe(self, sender: TransportSender, probe_id: str, key: bytes | None,
               timeout_s: float) -> ProbeSent:

@@ -221,7 +221,7 @@ class PrefillCalibration:
                     streamed: bool = False, chunk_tokens: int = 0,
                     orders: frozenset[Order] = frozenset({Order.LAYERS}),
                     load: Queues = Queues(), token_splits: bool = False,
-                    progressive: bool = False) -> CostInputs:
+                    progressive: bool = False, layer_splits: bool = False) -> CostInputs:
         return CostInputs(shape, prompt_len, self.link_gbps(costs.link_gbps),
                           costs.suffix_ms_per_layer,
                           codec_costs(self.quantize_ms_per_mib, costs.restore_ms_per_mib),
@@ -233,7 +233,7 @@ class PrefillCalibration:
                           prefill_queue=load.prefill_queue, decode_queue=load.decode_queue,
                           prefill_wait_ms=load.prefill_wait_ms,
                           decode_wait_ms=load.decode_wait_ms, token_splits=token_splits,
-                          progressive=progressive)
+                          progressive=progressive, layer_splits=layer_splits)
 
     def observe_prefill(self, layers: int, prompt_len: int, seconds: float,
                         streamed: bool = False) -> None:

@@ -70,17 +70,23 @@ residual): T counts the bytes before the residuals only (`before_residuals`: the
 nibbles and the scales), since the first token is computed on the anchors; the residuals follow on
 the link while the decode side drafts, and the verified tokens are the `int8` action's.
 
+KVPR's per-layer form (`Action.layer_split` l, `plan.layer_split`): each sent layer is a stage
+of a pipeline (the prefill's step, the link's input rows and coded rows, the decode side's restore
+and recompute of the K and V projections), the slowest stage setting the pace:
+restored = P_w + s + w + r + (c − 1)·max(s, w, r), in place of the prefix's end plus one restore.
+
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec (and, where
 `inputs.token_splits`, each interior cut's token split at the closed form's l: `split_actions`,
-`split_costs`; where `inputs.progressive`, each `int8` action also as Lynx's streams) and returns
+`split_costs`; where `inputs.layer_splits`, each action that sends layers also at its best
+per-layer l: `layer_split_actions`; where `inputs.progressive`, each `int8` action also as Lynx's streams) and returns
 the predictions sorted by predicted time; the first is the choice.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from rekv_core.codecs import get_codec
 from rekv_core.codecs.lynx import BASE_CODEC as PROGRESSIVE_CODEC
@@ -88,49 +94,10 @@ from rekv_core.handoff import Action, Order, WireBytes, before_residuals, wire_b
 from rekv_core.handoff.plan import can_pipeline
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.model.shapes import ModelShape
-from rekv_core.plan.evidence import FREE, CodecCost
+from rekv_core.plan.cost_inputs import CostInputs
+from rekv_core.plan.layer_split import layer_split_actions, layer_split_costs
 from rekv_core.plan.token_split import SplitCosts, best_split
 from rekv_core.units import BF16_BYTES, MiB
-
-
-@dataclass(frozen=True)
-class CostInputs:
-    shape: ModelShape
-    prompt_len: int
-    link_gbps: float  # the link estimate, or its prior where `link_measured` is false
-    suffix_ms_per_layer: float  # γ at this prompt length, now
-    # each codec's encode (α) and restore cost per MiB of BF16 KV (absent: free)
-    codec_costs: Mapping[str, CodecCost] = field(default_factory=dict)
-    join_ms: float = 0.0
-    link_latency_ms: float = 0.0
-    message_ms: float = 0.0  # fixed cost of one data-plane message (round trip, probe, checks)
-    prefill_ms_per_layer: float = 0.0  # γ_p at this prompt length, now; 0: not counted
-    streamed: bool = False  # sent from inside the prefill, which stops at the cut
-    chunk_tokens: int = 0  # the boundary's chunk size (0: one message)
-    # streamed: the orders the prefix may go in; the one that predicts less where token order
-    # applies (`pipelinable`), layer order where it does not
-    orders: frozenset[Order] = frozenset({Order.LAYERS})
-    link_measured: bool = True  # false: `link_gbps` is a prior, not a measurement
-    token_splits: bool = False  # rank KVPR's token splits too (both workers take them)
-    progressive: bool = False  # rank Lynx's streams of the int8 actions too (both take them)
-    prefill_queue: int = 0  # other handoffs waiting for the prefill worker's compute
-    prefill_wait_ms: float = 0.0  # until the prefill worker may compute: the compute queued ahead
-    decode_queue: int = 0  # other requests computing on the decode worker now
-    decode_wait_ms: float = 0.0  # until the decode worker may compute: the compute queued ahead
-
-    def __post_init__(self) -> None:
-        if self.link_gbps <= 0:
-            raise ValueError(f"link_gbps: must be positive, got {self.link_gbps}")
-        if self.prompt_len < 1:
-            raise ValueError(f"prompt_len: must be positive, got {self.prompt_len}")
-        if self.suffix_ms_per_layer < 0:
-            raise ValueError(f"suffix_ms_per_layer: must be >= 0, got {self.suffix_ms_per_layer}")
-        if not self.orders or not all(isinstance(o, Order) for o in self.orders):
-            raise ValueError(f"orders: must be a non-empty set of {[o.value for o in Order]}, "
-                             f"got {self.orders!r}")
-
-    def codec_cost(self, codec: str) -> CodecCost:
-        return self.codec_costs.get(codec, FREE)
 
 
 @dataclass(frozen=True)
@@ -152,7 +119,8 @@ class Prediction:
                 "predicted_ms": self.total_ms, "h_ms": self.h_ms,
                 "x_ms": self.x_ms, "r_ms": self.r_ms, "j_ms": self.j_ms, "bytes": self.bytes,
                 "prefill_ms": self.prefill_ms, "load_ms": self.load_ms,
-                "pipelined": self.pipelined, "progressive": self.action.progressive}
+                "pipelined": self.pipelined, "progressive": self.action.progressive,
+                "layer_split": self.action.layer_split}
 
 
 def predict(action: Action, inputs: CostInputs) -> Prediction:
@@ -208,11 +176,16 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
     layer = before_residuals(action, WireBytes.of_layer(action.registered_codec.layer_bytes(
         (shape.num_kv_heads, S, shape.head_dim))))
     w = (layer.prefix + layer.scales) / per_ms + m
+    if action.layer_split:
+        step, w, restore = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
     wait = inputs.prefill_wait_ms
     prefill = c * inputs.prefill_ms_per_layer
     prefix_end = wait + max(c * step + w, step + c * w)
+    restored = prefix_end + restore
+    if action.layer_split:  # the decode side's recompute may be the pipeline's slowest stage
+        restored = wait + step + w + restore + (c - 1) * max(step, w, restore)
     if c == L:
-        end = prefix_end + wire.head / per_ms + m + restore
+        end = max(restored, prefix_end + restore + wire.head / per_ms + m)
         return Prediction(action, lat + end + join, lat + step, end - step, 0.0, join,
                           wire.total, prefill)
     r = (L - c) * gamma
@@ -225,9 +198,9 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
         arrived += (s1 - s0) * (per_row / per_ms + coding) + m
         first = arrived if first is None else first
         suffix_end = max(arrived, suffix_end) + r * (s1 - s0) / S
-    end = max(suffix_end, prefix_end + restore)
+    end = max(suffix_end, restored)
     return Prediction(action, lat + end + join, lat + first,
-                      max(0.0, prefix_end + restore - first), r, join, wire.total, prefill)
+                      max(0.0, restored - first), r, join, wire.total, prefill)
 
 
 def _predict_pipelined(action: Action, inputs: CostInputs) -> Prediction:
@@ -334,6 +307,9 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     first = before_residuals(action, wire)
     x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
          + restore + c * m)
+    if action.layer_split:  # the layers' link and recompute overlap, layer after layer
+        _, w, r_layer = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
+        x = w + r_layer + (c - 1) * max(w, r_layer) + wire.head / bytes_per_ms
     r = (L - c) * gamma
     suffix_end = max(start + h, inputs.decode_wait_ms) + r if r else 0.0
     end = max(start + h + x, suffix_end)
@@ -373,9 +349,12 @@ def choose(inputs: CostInputs, codecs: Iterable[str]) -> list[Prediction]:
     actions = candidate_actions(inputs.shape, codecs)
     if inputs.token_splits:
         actions += split_actions(inputs, codecs)
+    if inputs.layer_splits:
+        actions += layer_split_actions(inputs, codecs, actions)
     if inputs.progressive:
         actions += [dataclasses.replace(a, progressive=True) for a in actions
-                    if a.codec == PROGRESSIVE_CODEC and a.cut and not a.split]
+                    if a.codec == PROGRESSIVE_CODEC and a.cut and not a.split
+                    and not a.layer_split]
     predictions = [predict(a, inputs) for a in actions]
     return sorted(predictions, key=lambda p: (p.total_ms, p.bytes))
 

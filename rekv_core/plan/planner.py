@@ -121,6 +121,7 @@ class Decision:
     def as_dict(self) -> dict:
         return {"chosen": {"action": self.action.kind.value, "codec": self.action.codec,
                            "cut": self.action.cut, "split": self.action.split,
+                           "layer_split": self.action.layer_split,
                            "predicted_ms": self.predicted_ms,
                            "pipelined": self.pipelined},
                 "rule": self.rule.value,
@@ -345,12 +346,14 @@ def _modelled_at(action: Action, inputs: CostInputs, prompt_len: int, pipelined:
 def _nearest_measured(action: Action, usable: Mapping[Action, Measured]
                       ) -> tuple[Action, Measured] | None:
     """The measured action with the same codec whose cut is nearest (token-only has none; a token
-    split's is a split's, whose time has another shape)."""
+    split's is a split's, and the per-layer form's is the per-layer form's, whose times have
+    other shapes)."""
     if action.cut == 0:
         return None
     best = None
     for other, seen in usable.items():
-        if other.codec != action.codec or other.cut == 0 or bool(other.split) != bool(action.split):
+        if (other.codec != action.codec or other.cut == 0 or bool(other.split) != bool(action.split)
+                or bool(other.layer_split) != bool(action.layer_split)):
             continue
         rank = (abs(other.cut - action.cut), -seen.count)
         if best is None or rank < best[0]:

@@ -32,7 +32,8 @@ class PrefillWorker(Worker):
         self.connector = PrefillConnector.for_model(
             self.model, PrefillOptions(settings.codecs, settings.stream_handoff,
                                        settings.pipeline_prefill, self.fingerprint.hex,
-                                       settings.token_split, settings.lynx_streams),
+                                       settings.token_split, settings.lynx_streams,
+                                       settings.layer_split),
             settings.profile, settings.policy, settings.link_gbps)
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self.faults = Faults(settings.fault_inject, settings.fault_hold_s)

@@ -59,8 +59,8 @@ def _check(report, png):
     assert bf16["parts_median_ms"]["X"] >= 0.8 * wire_ms
     planner = rows[-1]
     allowed = Planner(shipped_policy("smollm2-135m"))
-    assert all(allowed.allowed(Action(codec, cut, 30, boundary, split, lynx), 32)
-               for _, codec, cut, _, _, boundary, _, split, lynx in planner["picks"])
+    assert all(allowed.allowed(Action(codec, cut, 30, boundary, split, lynx, inputs), 32)
+               for _, codec, cut, _, _, boundary, _, split, lynx, inputs in planner["picks"])
     assert all(streamed for _, _, _, streamed, *_ in planner["picks"])  # the default schedule
     (point,) = report["points"]
     best = min(forced, key=lambda r: r["median_ms"])

@@ -171,6 +171,32 @@ def test_lynx_streams_emit_the_int8_actions_tokens(services, tokenizer):
     assert "forced_schedule.pipelined" in error.value.details()
 
 
+def test_a_layer_split_reproduces_the_reference(services, reference, tokenizer):
+    """KVPR's per-layer form, forced over the control plane: each layer sent as KV sends its input
+    rows [0, 256) in BF16, the decode worker recomputes their K and V. Joint (streamed) and
+    transfer-only (after a full prefill, which keeps every layer's input): the reference's tokens
+    and the formula's bytes. Token order is refused naming the field."""
+    prompt = PROMPTS[2] * 3
+    prompt_len = len(tokenizer.encode(prompt))
+    assert 256 < prompt_len <= MAX_PROMPT
+    for cut, schedule in ((15, (True, 256)), (SHAPE.num_layers, (False, 0))):
+        action = Action("bf16", cut, SHAPE.num_layers, layer_split=256)
+        result = _run(services, f"layer-split-{cut}", prompt, 16,
+                      ("bf16", cut, "bf16", 0, False, 256), forced_schedule=schedule)
+        s = result.summary
+        assert s.action.layer_split_tokens == 256 and s.action_kind == action.kind.value, s
+        assert s.action.cut == cut and s.schedule.streamed == schedule[0] and not s.fallback
+        assert result.token_ids == reference(prompt, 16)
+        want = wire_bytes(action, SHAPE, prompt_len)
+        assert (s.bytes.boundary, s.bytes.prefix, s.bytes.scales, s.bytes.tokens,
+                s.bytes.head) == (want.boundary, want.prefix, want.scales, want.tokens, want.head)
+    with pytest.raises(grpc.RpcError) as error:
+        _run(services, "layer-split-tokens", prompt, 4, ("bf16", 15, "bf16", 0, False, 256),
+             forced_schedule=(True, 256, True))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "forced_schedule.pipelined" in error.value.details()
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -240,6 +266,8 @@ def test_planner_chooses_among_the_actions_its_policy_allows(services, tokenizer
     ({"forced": ("int8", 31)}, "forced_action.cut"),
     ({"forced": ("int8", 10, "bf16", 100)}, "forced_action.split_tokens"),
     ({"forced": ("int8", 30, "bf16", 256)}, "forced_action.split_tokens"),
+    ({"forced": ("int8", 10, "bf16", 0, False, 100)}, "forced_action.layer_split_tokens"),
+    ({"forced": ("int8", 30, "bf16", 0, False, 256)}, "forced_action.layer_split_tokens"),
     ({"sampling": {"temperature": 1.0, "top_p": 1.5}}, "sampling.top_p"),
     ({"request_id": ""}, "request_id"),
 ])

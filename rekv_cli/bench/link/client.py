@@ -78,7 +78,8 @@ def _request(channel, args, ids: list[int], number: int, run: int, case: dict, r
     result["last_token_ms"].append((g.arrivals[-1] - called) * 1e3)
     result["used"].append([s.action_kind, s.action.codec, s.action.cut, s.schedule.streamed,
                            s.schedule.boundary_chunk_tokens, s.action.boundary or "bf16",
-                           s.schedule.pipelined, s.action.split_tokens, s.action.progressive])
+                           s.schedule.pipelined, s.action.split_tokens, s.action.progressive,
+                           s.action.layer_split_tokens])
     result["predicted_ms"].append(s.predicted_handoff_ms)
     t = s.timings
     result["parts_ms"].append({"Q": t.q_ms, "H": t.h_ms, "X": t.x_ms, "R": t.r_ms, "J": t.j_ms})

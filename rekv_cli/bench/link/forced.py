@@ -7,7 +7,9 @@ point's cases (each with a `role`), `annotate(row, number, S, log_dir)` adds a b
 to a case's row, `summarize(rows)` gives the point's summary (its key ending `_over_other` is the
 ratio printed as the point ends); the result holds the meta (provenance taken at the start),
 the balanced rates, every row and every point. `parse_args(description, argv, check)` reads the
-benches' common options, `main(args, run, markdown)` writes their outputs.
+benches' common options, `main(args, run, markdown)` writes their outputs, `every_case(result)`
+lists every case in markdown, `heading` and `best_against_other` the rest of what their reports
+share.
 """
 
 from __future__ import annotations
@@ -100,6 +102,44 @@ def sweep(args, name: str, cases_for: Callable[[int, int, list[int]], list[dict]
             "service_exit_codes": codes, "logs": str(log_dir),
             "command": f"python bench/{name}.py " + " ".join(sys.argv[1:])}
     return {"meta": meta, "balanced_gbps": balanced, "rows": rows, "points": points}
+
+
+def heading(title: str, result: dict) -> list[str]:
+    """A bench's title line (`title`, the model and dtype) and its provenance line."""
+    meta = result["meta"]
+    return [f"# {title} across the emulated link ({meta['model']}, {meta['dtype']})", "",
+            f"`{meta['command']}`, commit {meta['commit']} (clean tree: {meta['tree_clean']}), "
+            f"{meta['machine']}, {meta['link']}; {meta['runs']} timed rounds after "
+            f"{meta['warmups']} warm-up, cases shuffled each round; {meta['new_tokens']} greedy "
+            f"tokens a call.", ""]
+
+
+def best_against_other(result: dict, what: str, best_key: str, ratio_key: str) -> list[str]:
+    """The markdown table of each point's best `what` case (`best_key`: a `brief`, or None where
+    the point has none) against the best other forced case (`ratio_key`) and the planner."""
+    lines = [f"| S | link | Gb/s | best {what} | ms | last token | best other | ms | last token "
+             f"| {what}/other | planner | ms | planner/best |", "|" + " --- |" * 13]
+    for p in result["points"]:
+        s, o, pl = p[best_key], p["best_other"], p["planner"]
+        best = (f"{s['label']} | {s['median_ms']:.0f} | {s['last_token_ms']:.0f}" if s
+                else "- | - | -")
+        lines.append(f"| {p['prompt_len']} | {p['link']} | {p['link_gbps']:.3f} | {best} "
+                     f"| {o['label']} | {o['median_ms']:.0f} | {o['last_token_ms']:.0f} "
+                     f"| {p[ratio_key]:.2f} | {pl['label']} | {pl['median_ms']:.0f} "
+                     f"| {p['planner_over_best']:.2f} |")
+    return lines
+
+
+def every_case(result: dict) -> list[str]:
+    """The markdown lines listing every case of every point: TTFT median [95% CI], last token."""
+    lines = ["Every case (TTFT median ms [95% CI], last token median ms):", ""]
+    for p in result["points"]:
+        lines.append(f"- S={p['prompt_len']} {p['link']}: " + "; ".join(
+            f"{r['label']} {r['median_ms']:.0f} [{r['ci95_ms'][0]:.0f}–{r['ci95_ms'][1]:.0f}] "
+            f"{r['last_token_median_ms']:.0f}"
+            for r in result["rows"] if r["prompt_len"] == p["prompt_len"]
+            and r["link"] == p["link"]))
+    return lines
 
 
 def parse_args(description: str, argv: list[str] | None = None,

@@ -55,6 +55,7 @@ def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) ->
     kind, codec, cut, streamed, chunk, boundary, *order = result["used"][-1]
     split = order[1] if len(order) > 1 else 0  # a token split's l (clients since issue 30)
     lynx = bool(order[2]) if len(order) > 2 else False  # Lynx's streams (since issue 30)
+    inputs = order[3] if len(order) > 3 else 0  # KVPR's per-layer form's l (since issue 30)
     planner = result["forced"] is None
     schedule = schedule_class(streamed, chunk if kind in INTERIOR else 0, bool(order and order[0]))
     return {"model": shape.name, "prompt_len": S, "link": rate.label, "link_gbps": gbps,
@@ -63,12 +64,12 @@ def row(shape: ModelShape, S: int, rate: LinkRate, gbps: float, result: dict) ->
             "boundary": boundary,
             "label": ("planner: " if planner else "") + _label(kind, codec, cut)
             + ("+zb" if boundary != "bf16" else "") + (f" l={split}" if split else "")
-            + ("+lynx" if lynx else "")
+            + ("+lynx" if lynx else "") + (f"+ls{inputs}" if inputs else "")
             + f" {schedule.value}",
             "picks": sorted({tuple(u) for u in result["used"]}) if planner else None,
-            "split": split, "progressive": lynx,
-            "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary, split, lynx),
-                                shape, S).total,
+            "split": split, "progressive": lynx, "layer_split": inputs,
+            "bytes": wire_bytes(Action(codec, cut, shape.num_layers, boundary, split, lynx,
+                                       inputs), shape, S).total,
             "median_ms": median, "ci95_ms": [low, high],
             "predicted_ms": statistics.median(result["predicted_ms"]),
             "parts_median_ms": {part: statistics.median(p[part] for p in result["parts_ms"])

@@ -188,6 +188,24 @@ def test_the_decision_is_a_plan_in_the_order_it_was_predicted_in():
     assert not seed.plan.streamed and not seed.plan.pipelined
 
 
+def test_kvprs_per_layer_form_is_ranked_and_forced_only_where_the_decode_worker_takes_it():
+    connector, call = _prefill(), _call()
+    assert connector.decide(call).inputs.layer_splits
+    refused = replace(call, offer=replace(call.offer, accepts_layer_split=False))
+    assert not connector.decide(refused).inputs.layer_splits
+    forced = Action("bf16", 15, L, layer_split=256)
+    connector.check(replace(call, forced_action=forced))
+    with pytest.raises(BadRequest, match="^forced_action.layer_split_tokens: the decode worker"):
+        connector.check(replace(refused, forced_action=forced))
+    with pytest.raises(BadRequest, match="^forced_schedule.pipelined"):
+        connector.check(replace(call, forced_action=forced,
+                                forced_delivery=Delivery(True, 256, Order.TOKENS)))
+    for field, long in (("layer_split_tokens", Action("bf16", 15, L, layer_split=768)),
+                        ("split_tokens", Action("bf16", 15, L, split=768))):
+        with pytest.raises(BadRequest, match=f"^forced_action.{field}: must be below"):
+            connector.check(replace(call, forced_action=long))
+
+
 def test_a_forced_delivery_the_decode_worker_cannot_take_is_refused_by_name():
     connector = _prefill()
     call = _call(forced=Delivery(True, 256, Order.TOKENS), accepts_pipelined=False)

@@ -85,6 +85,8 @@ def test_unreadable_evidence_is_left_out_not_fatal():
     (lambda r: r.offer.ClearField("ucx_address"), "offer.ucx_address"),
     (lambda r: r.offer.codecs.append("int3"), "offer.codecs"),
     (lambda r: setattr(r.forced_action, "cut", 31), "forced_action.cut"),
+    (lambda r: setattr(r.forced_action, "layer_split_tokens", 100),
+     "forced_action.layer_split_tokens"),
     (lambda r: setattr(r.offer, "backlog_ms", -1.0), "offer.backlog_ms"),
     (lambda r: setattr(r.offer, "itl_budget_ms", -1.0), "offer.itl_budget_ms"),
     (lambda r: setattr(r.offer, "decode_step_ms", float("nan")), "offer.decode_step_ms"),
@@ -106,6 +108,18 @@ def test_a_malformed_call_names_its_field(change, field):
     change(request)
     with pytest.raises(InvalidArgument, match=f"^{field}"):
         wire_convert.handoff_call(request, "smollm2-135m", L)
+
+
+def test_kvprs_per_layer_form_survives_the_wire_and_a_long_one_names_its_field():
+    call = dataclasses.replace(_call(accepts_layer_split=False), forced_delivery=None,
+                               forced_action=Action("int8", 15, L, layer_split=256))
+    request = wire_convert.handoff_request(call)
+    assert request.forced_action.layer_split_tokens == 256
+    assert not request.offer.accepts_layer_split
+    assert wire_convert.handoff_call(request, "smollm2-135m", L) == call
+    wire_convert.check_forced_split(call.forced_action, 257)
+    with pytest.raises(InvalidArgument, match="^forced_action.layer_split_tokens: must be below"):
+        wire_convert.check_forced_split(call.forced_action, 256)
 
 
 def test_a_connect_call_survives_the_wire_and_a_bad_one_names_its_field():

@@ -67,18 +67,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Action(_message.Message):
-    __slots__ = ("codec", "cut", "boundary", "split_tokens", "progressive")
+    __slots__ = ("codec", "cut", "boundary", "split_tokens", "progressive", "layer_split_tokens")
     CODEC_FIELD_NUMBER: _ClassVar[int]
     CUT_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     SPLIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
+    LAYER_SPLIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     codec: str
     cut: int
     boundary: str
     split_tokens: int
     progressive: bool
-    def __init__(self, codec: _Optional[str] = ..., cut: _Optional[int] = ..., boundary: _Optional[str] = ..., split_tokens: _Optional[int] = ..., progressive: _Optional[bool] = ...) -> None: ...
+    layer_split_tokens: int
+    def __init__(self, codec: _Optional[str] = ..., cut: _Optional[int] = ..., boundary: _Optional[str] = ..., split_tokens: _Optional[int] = ..., progressive: _Optional[bool] = ..., layer_split_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "text", "summary")
@@ -205,7 +207,7 @@ class ConnectResponse(_message.Message):
     def __init__(self, connected_now: _Optional[bool] = ..., connect_ms: _Optional[float] = ..., probe_bytes: _Optional[int] = ..., probe_ms: _Optional[float] = ...) -> None: ...
 
 class DecodeOffer(_message.Message):
-    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale", "accepts_pipelined", "model_fingerprint", "running_batch", "itl_budget_ms", "decode_step_ms", "accepts_token_split", "accepts_progressive")
+    __slots__ = ("ucx_address", "codecs", "suffix_ms_per_layer", "restore_ms_per_mib", "join_ms", "queue_depth", "handoffs_in_flight", "model", "num_layers", "measured_over_model", "link_gbps", "message_ms", "measured", "accepts_streamed", "boundary_chunk_tokens", "computing", "backlog_ms", "planned_transfers", "suffix_scale", "accepts_pipelined", "model_fingerprint", "running_batch", "itl_budget_ms", "decode_step_ms", "accepts_token_split", "accepts_progressive", "accepts_layer_split")
     class RestoreMsPerMibEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -246,6 +248,7 @@ class DecodeOffer(_message.Message):
     DECODE_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_TOKEN_SPLIT_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_PROGRESSIVE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_LAYER_SPLIT_FIELD_NUMBER: _ClassVar[int]
     ucx_address: str
     codecs: _containers.RepeatedScalarFieldContainer[str]
     suffix_ms_per_layer: float
@@ -272,7 +275,8 @@ class DecodeOffer(_message.Message):
     decode_step_ms: float
     accepts_token_split: bool
     accepts_progressive: bool
-    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., running_batch: _Optional[int] = ..., itl_budget_ms: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., accepts_token_split: _Optional[bool] = ..., accepts_progressive: _Optional[bool] = ...) -> None: ...
+    accepts_layer_split: bool
+    def __init__(self, ucx_address: _Optional[str] = ..., codecs: _Optional[_Iterable[str]] = ..., suffix_ms_per_layer: _Optional[float] = ..., restore_ms_per_mib: _Optional[_Mapping[str, float]] = ..., join_ms: _Optional[float] = ..., queue_depth: _Optional[int] = ..., handoffs_in_flight: _Optional[int] = ..., model: _Optional[str] = ..., num_layers: _Optional[int] = ..., measured_over_model: _Optional[_Mapping[str, float]] = ..., link_gbps: _Optional[float] = ..., message_ms: _Optional[float] = ..., measured: _Optional[_Iterable[_Union[MeasuredHandoffs, _Mapping]]] = ..., accepts_streamed: _Optional[bool] = ..., boundary_chunk_tokens: _Optional[int] = ..., computing: _Optional[int] = ..., backlog_ms: _Optional[float] = ..., planned_transfers: _Optional[_Iterable[str]] = ..., suffix_scale: _Optional[float] = ..., accepts_pipelined: _Optional[bool] = ..., model_fingerprint: _Optional[str] = ..., running_batch: _Optional[int] = ..., itl_budget_ms: _Optional[float] = ..., decode_step_ms: _Optional[float] = ..., accepts_token_split: _Optional[bool] = ..., accepts_progressive: _Optional[bool] = ..., accepts_layer_split: _Optional[bool] = ...) -> None: ...
 
 class MeasuredHandoffs(_message.Message):
     __slots__ = ("median_ms", "median_prompt_len", "count", "action", "pipelined")
