@@ -13,7 +13,9 @@ not eligible. A lossy token split (KVPR's, `Action.split`) codes layers 0..c−1
 c..L−1's rows [l, S): a subset of what the codec's transfer-only action (c = L) codes, so it is
 eligible where that is (`max_cut` = L), and its recomputed rows are exact. Lynx's streams
 (`Action.progressive`) carry the `int8` action's bytes and emit only tokens verified on its cache:
-they are that action, with its verdict. Lossless actions
+they are that action, with its verdict. KVPR's per-layer form (`Action.layer_split`) codes a
+subset of the rows its (b, c) codes and recomputes the others exactly: the same verdict. Lossless
+actions
 (`Action.lossless`: token-only, BF16, and a split in a lossless codec) are always eligible. The
 embedded model's policy ships in `rekv_core/plan/policies/`.
 """

@@ -1,7 +1,8 @@
 """KVPR's per-layer form in the planner: the closed form's l equals a brute-force search of the
 same time model on random points; the form is ranked only where an input row is lighter than a
 K and V row (the MHA presets, ReKV's Proposition 1), where the planner takes it on a slow link and
-a cheap recompute, and not where the recompute is dear; its prediction charges the recompute."""
+a cheap recompute, and not where the recompute is dear; its prediction charges the recompute; the
+gate's verdict is the codec's action's."""
 
 import random
 
@@ -14,6 +15,7 @@ from rekv_core.plan.evidence import CodecCost
 from rekv_core.plan.layer_split import (LayerSplitCosts, best_layer_split,
                                         brute_force_layer_split, layer_split_actions,
                                         layer_split_costs, layer_split_time, projection_share)
+from rekv_core.plan.policy import Policy
 
 
 def test_the_closed_form_equals_the_brute_force_on_random_points():
@@ -82,3 +84,11 @@ def test_gqa_presets_rank_no_layer_split_in_choose():
     for name in ("smollm2-135m", "qwen2.5-7b", "mini-qwen3-8b"):
         assert not any(p.action.layer_split for p in choose(_inputs(name, link_gbps=1.0),
                                                             ["bf16", "int8"]))
+
+
+def test_the_gate_treats_the_form_as_its_codecs_action():
+    """The recomputed rows are exact and the rest is the codec's: the same verdict as (b, c)."""
+    policy = Policy("mini-llama-2-7b", (1, 8192), {"int8": 13})
+    assert policy.eligible(Action("int8", 13, 32, layer_split=256))
+    assert not policy.eligible(Action("int8", 14, 32, layer_split=256))
+    assert Action("bf16", 32, 32, layer_split=256).lossless
