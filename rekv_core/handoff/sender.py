@@ -185,11 +185,13 @@ def _send(plan: HandoffPlan, source: PrefillSource, stream, send: _Posting) -> S
         for layer in layers:
             streams.follow(stream, source.device)  # after the compute that produced the layer
             # and its K and V are not given to another tensor before the encoding has read them
-            streams.wait_ready(None, (layer.keys, layer.values), stream)
+            produced = (layer.keys, layer.values) + ((layer.inputs,) if inputs else ())
+            streams.wait_ready(None, produced, stream)
             keys, values, importance = layer.keys, layer.values, layer.importance
             rows = split if layer.index >= action.cut else inputs  # the rows not sent as KV
             if rows:  # a token split's suffix layer, or the per-layer form: rows [l, S)
-                keys, values = keys[:, rows:].contiguous(), values[:, rows:].contiguous()
+                with streams.on_stream(stream):  # copied where they are encoded
+                    keys, values = keys[:, rows:].contiguous(), values[:, rows:].contiguous()
                 importance = None if importance is None else importance[rows:]
             if inputs:  # the per-layer form: the layer's input rows [0, l) first
                 with streams.on_stream(stream):

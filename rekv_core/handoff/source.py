@@ -153,7 +153,8 @@ class LivePrefill(_ComputingSource):
                             torch.cuda.current_stream(model.device).synchronize()
                         self.close()
                     self.compute_s += time.perf_counter() - started
-                    inputs = step.hidden_in[:self.input_rows] if self.input_rows else None
+                    inputs = (step.hidden_in[:self.input_rows].clone() if self.input_rows
+                              else None)  # not the whole [S, d] while it is in flight
                     yield ProducedLayer(step.index, step.keys, step.values, step.importance,
                                         inputs)
                     started = time.perf_counter()

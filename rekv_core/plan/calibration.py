@@ -151,10 +151,11 @@ class DecodeCalibration:
 
     def _observe_prefix(self, handoff: HandoffObservation) -> None:
         """m from X: what the bytes and the restore do not explain, per message. Only from
-        transfer-only, or a prefix that was still arriving well after the suffix was done."""
+        transfer-only, or a prefix that was still arriving well after the suffix was done; not
+        from the per-layer form, whose X holds its recompute."""
         action, t = handoff.action, handoff.timings
-        if action.cut == 0 or self.link.samples == 0 or handoff.streamed:
-            return
+        if action.cut == 0 or self.link.samples == 0 or handoff.streamed or action.layer_split:
+            return  # (the per-layer form's X holds its recompute too)
         if t.r_s > 0 and t.x_s <= PREFIX_HELD_BACK_RATIO * t.r_s:
             return
         layers = action.cut

@@ -73,7 +73,8 @@ the link while the decode side drafts, and the verified tokens are the `int8` ac
 KVPR's per-layer form (`Action.layer_split` l, `plan.layer_split`): each sent layer is a stage
 of a pipeline (the prefill's step, the link's input rows and coded rows, the decode side's restore
 and recompute of the K and V projections), the slowest stage setting the pace:
-restored = P_w + s + w + r + (c − 1)·max(s, w, r), in place of the prefix's end plus one restore.
+restored = P_w + s + w + r + (c − 1)·max(s, w, r), in place of the prefix's end plus one restore
+(streamed); after a full prefill, X as the plain action's with each layer's restore r.
 
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec (and, where
 `inputs.token_splits`, each interior cut's token split at the closed form's l: `split_actions`,
@@ -307,9 +308,10 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
     first = before_residuals(action, wire)
     x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
          + restore + c * m)
-    if action.layer_split:  # the layers' link and recompute overlap, layer after layer
-        _, w, r_layer = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
-        x = w + r_layer + (c - 1) * max(w, r_layer) + wire.head / bytes_per_ms
+    if action.layer_split:  # as the plain action's X, each layer restored and recomputed
+        _, _, r_layer = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
+        x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
+             + c * r_layer + 2 * c * m)
     r = (L - c) * gamma
     suffix_end = max(start + h, inputs.decode_wait_ms) + r if r else 0.0
     end = max(start + h + x, suffix_end)

@@ -4,15 +4,16 @@ The action (seed 002, seed-spec §3, `Action.layer_split` l): every layer sent a
 input rows [0, l) (d BF16 values a token) and its K and V of [l, S) in the codec; the decode side
 recomputes the K and V of [0, l) from the input rows (the layer's norm, K and V projections and
 RoPE; no attention). The layers go as a pipeline of three stages, each layer in turn: the
-prefill's compute and encoding (s, 0 after a full prefill), the link (w), and the decode side's
-restore and recompute (r):
+prefill's compute and encoding (s; after a full prefill the encoding alone), the link (w), and the
+decode side's restore and recompute (r):
 
     w(l) = a·l + b·(S − l) + messages·m          a, b: one token's input row, one token's coded
     r(l) = g·l + q·(S − l)                       K and V row on the wire; g: one token's
     T(l) = s + w(l) + r(l) + (n − 1)·max(s, w(l), r(l))      recompute, q: one token's restore
 
-for n identical layers (a flow shop's makespan). T is convex in l (linear terms plus a maximum of
-lines), so its minimum over [0, S) lies at an end or where two of s, w, r cross:
+for n identical layers (a flow shop's makespan). T is convex in l on (0, S) (linear terms plus a
+maximum of lines; at l = 0 one message fewer), so its minimum over [0, S) lies at an end or where
+two of s, w, r cross:
 
     w = r at l = (b·S − q·S + messages·m) / (b − a + g − q),
     w = s at l = (b·S + messages·m − s) / (b − a),   r = s at l = (s − q·S) / (g − q);
@@ -115,12 +116,13 @@ def brute_force_layer_split(costs: LayerSplitCosts, seq_len: int,
 
 
 def projection_share(shape: ModelShape, seq_len: int) -> float:
-    """The K and V projections' share of one layer's prefill flops at `seq_len` tokens (the
-    Q, K, V and O projections, the FFN, and causal attention over S/2 keys on average)."""
+    """The recompute's share of one layer's prefill flops at `seq_len` tokens: the fused Q, K and
+    V projection it runs (`recompute_layer_kv`), against that, the O projection, the FFN and
+    causal attention over S/2 keys on average."""
     d, q_width = shape.hidden_size, shape.num_heads * shape.head_dim
-    kv = 2 * d * 2 * shape.num_kv_heads * shape.head_dim
-    layer = kv + 2 * d * q_width * 2 + 6 * d * shape.ffn_size + 2 * seq_len * q_width
-    return kv / layer
+    qkv = 2 * d * (q_width + 2 * shape.num_kv_heads * shape.head_dim)
+    layer = qkv + 2 * q_width * d + 6 * d * shape.ffn_size + 2 * seq_len * q_width
+    return qkv / layer
 
 
 def layer_split_costs(inputs: CostInputs, codec: str, cut: int) -> LayerSplitCosts:
@@ -133,7 +135,7 @@ def layer_split_costs(inputs: CostInputs, codec: str, cut: int) -> LayerSplitCos
     cost = inputs.codec_cost(codec)
     layer_mib = shape.kv_layer_bytes(S) / MiB
     encode_row = cost.encode_ms_per_mib * layer_mib / S
-    step = inputs.prefill_ms_per_layer + encode_row * S if inputs.streamed else 0.0
+    step = (inputs.prefill_ms_per_layer if inputs.streamed else 0.0) + encode_row * S
     return LayerSplitCosts(
         input_row_ms=shape.hidden_size * BF16_BYTES / per_ms,
         kv_row_ms=(layer.data + layer.scales) / S / per_ms,
@@ -145,7 +147,8 @@ def layer_split_costs(inputs: CostInputs, codec: str, cut: int) -> LayerSplitCos
 def layer_split_actions(inputs: CostInputs, codecs: Iterable[str],
                         base: Iterable[Action]) -> list[Action]:
     """Each of `base`'s plain actions that sends layers (c ≥ 1, no other split, not Lynx's) at its
-    best l, where that is above 0 (none where an input row outweighs a K and V row)."""
+    best l, where that is above 0 (where an input row outweighs a K and V row, only where
+    recomputing a row costs less than restoring it)."""
     wanted = set(codecs)
     actions = []
     for action in base:

@@ -277,11 +277,14 @@ def samples_link(action: Action, inputs: CostInputs, pipelined: bool = False) ->
     decode side starts computing (what its link sample counts, see `transport.arrivals`):
     transfer-only, its whole prefix; otherwise the boundary's first chunk, after the prefix when
     streamed in layer order (`pipelined`: the first chunk alone, its prefix rows following it);
-    token-only, nothing worth timing. An approximation: a layer the sender holds back
+    token-only, nothing worth timing; the per-layer form, its first input rows (their recompute
+    starts the decode side's compute). An approximation: a layer the sender holds back
     (encoding it, or computing it when streamed) ends a run."""
     shape, S = inputs.shape, inputs.prompt_len
     if action.cut == 0:
         return False
+    if action.layer_split:
+        return action.layer_split * shape.hidden_size * BF16_BYTES >= LINK_SAMPLE_BYTES
     wire = wire_bytes(action, shape, S)
     prefix = wire.prefix + wire.scales
     if action.cut == shape.num_layers:
