@@ -76,8 +76,7 @@ def point_summary(rows: list[dict]) -> dict:
 
 def run(args) -> dict:
     return forced.sweep(args, "token_split",
-                        lambda L, S, cuts: cases_for(L, S, cuts, args.codecs),
-                        lambda r, number, S, log_dir: None, point_summary)
+                        lambda L, S, cuts: cases_for(L, S, cuts, args.codecs), point_summary)
 
 
 def markdown(result: dict) -> str:

@@ -216,12 +216,11 @@ def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     if action.num_layers != shape.num_layers:
         raise ValueError(f"action: built for {action.num_layers} layers, model {shape.name} has "
                          f"{shape.num_layers}")
+    action.check_prompt(seq_len)
     if action.split:
-        action.check_prompt(seq_len)
         return _split_bytes(action, shape, seq_len)
     if action.cut == 0:
         return WireBytes(tokens=seq_len * TOKEN_ID_BYTES)
-    action.check_prompt(seq_len)
     per_layer = sent_layer_bytes(action, shape, seq_len)
     total = WireBytes(prefix=per_layer.prefix * action.cut, scales=per_layer.scales * action.cut)
     if action.sends_boundary:

@@ -155,7 +155,7 @@ class DecodeCalibration:
         from the per-layer form, whose X holds its recompute."""
         action, t = handoff.action, handoff.timings
         if action.cut == 0 or self.link.samples == 0 or handoff.streamed or action.layer_split:
-            return  # (the per-layer form's X holds its recompute too)
+            return
         if t.r_s > 0 and t.x_s <= PREFIX_HELD_BACK_RATIO * t.r_s:
             return
         layers = action.cut

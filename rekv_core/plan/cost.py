@@ -79,8 +79,8 @@ restored = P_w + s + w + r + (c − 1)·max(s, w, r), in place of the prefix's e
 `choose(inputs, codecs)` evaluates every c in [0, L] for each eligible codec (and, where
 `inputs.token_splits`, each interior cut's token split at the closed form's l: `split_actions`,
 `split_costs`; where `inputs.layer_splits`, each action that sends layers also at its best
-per-layer l: `layer_split_actions`; where `inputs.progressive`, each `int8` action also as Lynx's streams) and returns
-the predictions sorted by predicted time; the first is the choice.
+per-layer l: `layer_split_actions`; where `inputs.progressive`, each `int8` action also as Lynx's
+streams) and returns the predictions sorted by predicted time; the first is the choice.
 """
 
 from __future__ import annotations
@@ -302,16 +302,17 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
         return Prediction(action, max(start + h, inputs.decode_wait_ms) + r + inputs.join_ms,
                           h, 0.0, r, inputs.join_ms, wire.total, prefill)
     alpha, restore_layer = _alpha_ms(action, inputs)
+    messages = c
+    if action.layer_split:  # each layer restored and recomputed, its input rows a message more
+        _, _, restore_layer = layer_split_costs(inputs, action.codec, c).stages(
+            S, action.layer_split)
+        messages = 2 * c
     restore = restore_layer * c
     h = (inputs.link_latency_ms + m + wire.boundary / bytes_per_ms
          + _boundary_ms_per_mib(action, inputs) * shape.boundary_bytes(S, BF16_BYTES) / MiB)
     first = before_residuals(action, wire)
     x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
-         + restore + c * m)
-    if action.layer_split:  # as the plain action's X, each layer restored and recomputed
-        _, _, r_layer = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
-        x = (max(c * alpha, (first.prefix + first.scales + first.head) / bytes_per_ms) + alpha
-             + c * r_layer + 2 * c * m)
+         + restore + messages * m)
     r = (L - c) * gamma
     suffix_end = max(start + h, inputs.decode_wait_ms) + r if r else 0.0
     end = max(start + h + x, suffix_end)

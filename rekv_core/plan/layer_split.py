@@ -133,9 +133,9 @@ def layer_split_costs(inputs: CostInputs, codec: str, cut: int) -> LayerSplitCos
     per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
     layer = get_codec(codec).layer_bytes((shape.num_kv_heads, S, shape.head_dim))
     cost = inputs.codec_cost(codec)
-    layer_mib = shape.kv_layer_bytes(S) / MiB
-    encode_row = cost.encode_ms_per_mib * layer_mib / S
-    step = (inputs.prefill_ms_per_layer if inputs.streamed else 0.0) + encode_row * S
+    layer_mib = shape.kv_layer_bytes(S) / MiB  # α and the restore are per MiB of BF16 KV
+    step = (inputs.prefill_ms_per_layer if inputs.streamed else 0.0) + (
+        cost.encode_ms_per_mib * layer_mib)
     return LayerSplitCosts(
         input_row_ms=shape.hidden_size * BF16_BYTES / per_ms,
         kv_row_ms=(layer.data + layer.scales) / S / per_ms,

@@ -1,13 +1,14 @@
-"""A sweep of forced cases across the emulated link, as `bench/token_split.py` and `bench/lynx.py`
-run it: both services started once as `rekv bench link` starts them, then per link rate and prompt
-length S the bench's cases, each once per round in an order shuffled each round.
+"""A sweep of forced cases across the emulated link, as `bench/token_split.py`, `bench/lynx.py` and
+`bench/layer_split.py` run it: both services started once as `rekv bench link` starts them, then
+per link rate and prompt length S the bench's cases, each once per round in an order shuffled
+each round.
 
-`sweep(args, name, cases_for, annotate, summarize)` runs it: `cases_for(L, S, cuts)` gives a
-point's cases (each with a `role`), `annotate(row, number, S, log_dir)` adds a bench's own fields
-to a case's row, `summarize(rows)` gives the point's summary (its key ending `_over_other` is the
-ratio printed as the point ends); the result holds the meta (provenance taken at the start),
-the balanced rates, every row and every point. `parse_args(description, argv, check)` reads the
-benches' common options, `main(args, run, markdown)` writes their outputs, `every_case(result)`
+`sweep(args, name, cases_for, summarize, annotate)` runs it: `cases_for(L, S, cuts)` gives a point's
+cases (each with a `role`), `summarize(rows)` gives the point's summary (its key ending
+`_over_other` is the ratio printed as the point ends), `annotate(row, number, S, log_dir)`, when
+given, adds a bench's own fields to a case's row; the result holds the meta (provenance taken at the
+start), the balanced rates, every row and every point. `parse_args(description, argv, check)` reads
+the benches' common options, `main(args, run, markdown)` writes their outputs, `every_case(result)`
 lists every case in markdown, `heading` and `best_against_other` the rest of what their reports
 share.
 """
@@ -35,8 +36,8 @@ from rekv_core.settings import RuntimeSettings
 
 
 def sweep(args, name: str, cases_for: Callable[[int, int, list[int]], list[dict]],
-          annotate: Callable[[dict, int, int, Path], None],
-          summarize: Callable[[list[dict]], dict]) -> dict:
+          summarize: Callable[[list[dict]], dict],
+          annotate: Callable[[dict, int, int, Path], None] | None = None) -> dict:
     started = provenance()
     settings = RuntimeSettings.from_env(model=args.model, dtype=args.dtype)
     model = settings.load_model()
@@ -76,7 +77,8 @@ def sweep(args, name: str, cases_for: Callable[[int, int, list[int]], list[dict]
                     r = row(shape, S, rate, gbps, result)
                     r["role"] = case["role"]
                     r["last_token_median_ms"] = statistics.median(result["last_token_ms"])
-                    annotate(r, number, S, log_dir)
+                    if annotate is not None:
+                        annotate(r, number, S, log_dir)
                     point_rows.append(r)
                 rows += point_rows
                 summary = summarize(point_rows)
