@@ -23,6 +23,7 @@ import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -93,7 +94,9 @@ def choose_step(model: Model, args: argparse.Namespace):
     return functools.partial(batched_decode_step, linear=packed.linear if packed else linear)
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """The whole bench; `on_progress` gets the result so far (`complete` False) after each
+    context's batches, so a run stopped early keeps what it finished."""
     started = provenance()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
@@ -111,6 +114,12 @@ def run(args: argparse.Namespace) -> dict:
         for r in block:
             r["speedup"] = r["tokens_per_s"] / single["tokens_per_s"]
             r["ideal_speedup"] = r["batch"] / single["batch"]
+        if on_progress is not None:
+            on_progress(_result(args, started, device, dtype, step, ceilings, rows, False))
+    return _result(args, started, device, dtype, step, ceilings, rows, True)
+
+
+def _result(args, started, device, dtype, step, ceilings, rows, complete: bool) -> dict:
     meta = {**started, "command": " ".join(["python", *sys.argv]), "model": args.model,
             "machine": machine_info(device, dtype, torch.get_num_threads()),
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
@@ -120,7 +129,7 @@ def run(args: argparse.Namespace) -> dict:
             "packed_weights": step is not batched_decode_step, "gemm": args.gemm,
             "step": type(step).__name__ if not isinstance(step, functools.partial)
             else step.func.__name__}
-    return {"meta": meta, "ceilings": ceilings, "rows": rows}
+    return {"meta": meta, "ceilings": ceilings, "rows": rows, "complete": complete}
 
 
 def print_table(result: dict) -> None:
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args)
+    result = run(args, on_progress=lambda partial: write_json(args.json, partial))
     print_table(result)
     write_json(args.json, result)
     return 0

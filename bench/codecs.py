@@ -32,7 +32,6 @@ codebooks calibrated on `--real-calibration` other windows (KV or boundary) or p
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -47,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.codec_real import WIKITEXT, embedded_available, print_real, run_real  # noqa: E402
 from rekv_cli.bench.machine import machine_info  # noqa: E402
 from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.codecs import EncodeContext, codec_names, get_codec  # noqa: E402
 from rekv_core.codecs.base import EncodedKV  # noqa: E402
 from rekv_core.kernels import (  # noqa: E402
@@ -165,23 +165,26 @@ def time_model(model: str, prompt_len: int, repeats: int, device: torch.device, 
 
 
 def run(models: list[str], prompt_len: int, repeats: int, device: torch.device,
-        real: Callable[[], dict] | None = None, timing: bool = True) -> dict:
+        real: Callable[[], dict] | None = None, timing: bool = True,
+        on_progress: Callable[[dict], None] | None = None) -> dict:
+    """Every model's timings, then the real-data section; `on_progress` gets the result so far
+    (`complete` False) after each model, so a run stopped early keeps what it finished."""
     started = provenance()
     copy_gbps = copy_bandwidth(device, repeats) if timing else None
-    rows, ceilings = [], []
-    for model in models if timing else []:
-        model_rows, model_ceilings = time_model(model, prompt_len, repeats, device, copy_gbps)
-        rows += model_rows
-        ceilings += model_ceilings
-    return {
+    result = {
         "machine": {**machine_info(device, torch.bfloat16, torch.get_num_threads()), **started},
         "command": " ".join(["python", *sys.argv]),
         "repeats": repeats, "warmups": WARMUPS, "order": "shuffled per repeat",
-        "copy_gbps": copy_gbps,
-        "ceilings": ceilings,
-        "rows": rows,
-        "real": real() if real else None,
-    }
+        "copy_gbps": copy_gbps, "ceilings": [], "rows": [], "real": None, "complete": False}
+    for model in models if timing else []:
+        model_rows, model_ceilings = time_model(model, prompt_len, repeats, device, copy_gbps)
+        result["rows"] += model_rows
+        result["ceilings"] += model_ceilings
+        if on_progress is not None:
+            on_progress(result)
+    result["real"] = real() if real else None
+    result["complete"] = True
+    return result
 
 
 def print_timing(result: dict, console) -> None:
@@ -241,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_real(args.text, args.real_tokens, args.real_windows,
                             args.real_calibration, device)
     result = run(args.model or [DEFAULT_MODEL, "qwen2.5-7b"], args.prompt_len, args.repeats,
-                 device, real, args.timing)
+                 device, real, args.timing,
+                 on_progress=lambda partial: write_json(args.json, partial))
     console = Console(width=170)
     if result["rows"]:
         print_timing(result, console)
@@ -249,9 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         print_real(result["real"], console)
     elif args.real is None:
         console.print(f"real-data section skipped: embedded model or {args.text} missing")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result)
     return 0
 
 

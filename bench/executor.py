@@ -44,6 +44,7 @@ import importlib.metadata
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -257,19 +258,26 @@ def meta(args: argparse.Namespace, model: Model, device: torch.device, started: 
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, on_progress: Callable[[dict], None] | None = None) -> dict:
+    """The whole bench; `on_progress` gets the result so far (`complete` False) after the prefill
+    and after each context, so a run stopped early keeps what it finished."""
     started = provenance()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     contexts = clip_contexts(args.contexts, args.steps, model.shape.max_positions)
     ceilings = {"matmul": matmul_ceiling(args.matmul_n, dtype, device, args.repeats),
                 **bandwidth_ceilings(device, args.repeats)}
-    prefill = time_prefill(model, args.prompt_len, args.repeats, ceilings["matmul"]["tflops"])
-    decode = [row for c in contexts
-              for row in time_decode(model, c, args.steps, args.repeats, ceilings)]
-    return {"meta": meta(args, model, device, started) | {"contexts_requested": args.contexts,
-                                                          "contexts": contexts},
-            "ceilings": ceilings, "prefill": prefill, "decode": decode}
+    result = {"meta": meta(args, model, device, started) | {"contexts_requested": args.contexts,
+                                                            "contexts": contexts},
+              "ceilings": ceilings, "prefill": None, "decode": [], "complete": False}
+    result["prefill"] = time_prefill(model, args.prompt_len, args.repeats,
+                                     ceilings["matmul"]["tflops"])
+    for context in contexts:
+        if on_progress is not None:
+            on_progress(result)
+        result["decode"] += time_decode(model, context, args.steps, args.repeats, ceilings)
+    result["complete"] = True
+    return result
 
 
 def print_table(result: dict) -> None:
@@ -334,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args)
+    result = run(args, on_progress=lambda partial: write_json(args.json, partial))
     print_table(result)
     write_json(args.json, result)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 
@@ -14,7 +15,11 @@ def csv_of(kind):
 
 
 def write_json(path: str | Path | None, payload, indent: int = 2) -> None:
-    """Write `payload` to `path` (creating its folder); nothing when `path` is empty."""
+    """Write `payload` to `path` (creating its folder); nothing when `path` is empty. Atomic: a
+    reader (or a run killed mid-write) sees the old file or the new one, never half of one."""
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=indent) + "\n")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(json.dumps(payload, indent=indent) + "\n")
+        os.replace(partial, path)

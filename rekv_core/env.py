@@ -8,7 +8,8 @@ What each variable sets:
   lossless or gated); a command-line flag wins over it;
 - `REKV_MODEL_CACHE`: where converted weights are kept (`model.conversion_cache`);
 - `REKV_PROFILE_CACHE`: where machine profiles are kept (`plan.profile_cache`);
-- `REKV_COMMIT`: the commit a benchmark records where the tree is not a git checkout.
+- `REKV_COMMIT`, `REKV_TREE_CLEAN` (1 or 0): the commit a benchmark records where the tree is
+  not a git checkout, and whether the copy equals it (`bench/gpu/tree_manifest.py` sets both).
 An empty variable counts as unset.
 """
 

@@ -21,7 +21,7 @@ from rekv_cli.bench.machine import machine_info  # noqa: E402
 from rekv_cli.bench.provenance import provenance  # noqa: E402
 
 PACKAGES = ("triton", "ucxx-cu13", "ucxx-cu12", "libucx-cu13", "libucx-cu12", "grpcio",
-            "protobuf", "transformers")
+            "protobuf", "transformers", "cryptography", "gguf", "numpy")  # those found
 
 
 def driver() -> str | None:

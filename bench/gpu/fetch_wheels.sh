@@ -19,15 +19,15 @@
 # Usage: bench/gpu/fetch_wheels.sh [DEST]        DEST defaults to .gpu-wheels
 # Env:   PYTHON      interpreter whose pip downloads (default: .venv/bin/python, else python3)
 #        PY_VERSION  target Python minor (default 3.12, the GPU machine's)
-#        MAX_MIB     size limit of DEST's wheels in MiB (default 60; the device carry is 64 MiB
-#                    together with the working tree)
+#        MAX_MIB     size limit of DEST's wheels in MiB (default 40; the device carry is 64 MiB
+#                    together with the working tree: bench/gpu/carry_size.py checks the sum)
 # Stale *.whl files in DEST that are not in the list below are removed: two versions of one
 # package stop the offline install.
 set -euo pipefail
 
 DEST=${1:-.gpu-wheels}
 PY_VERSION=${PY_VERSION:-3.12}
-MAX_MIB=${MAX_MIB:-60}
+MAX_MIB=${MAX_MIB:-40}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
@@ -61,12 +61,23 @@ for f in "$DEST"/*.whl; do
     if (( ! keep )); then echo "removing stale $(basename "$f")"; rm -f -- "$f"; fi
 done
 
-"$PYTHON" -m pip download --no-deps --only-binary=:all: --disable-pip-version-check \
-    --implementation cp --python-version "$PY_VERSION" \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-    --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
-    --dest "$DEST" "${WHEELS[@]}"
+# Every wheel there already (slimmed, so pip's hash check would fetch the big ones again): keep
+# them. Remove DEST to fetch afresh.
+have_all=1
+for spec in "${WHEELS[@]}"; do
+    got=("$DEST/$(expected_prefix "$spec")"*.whl)
+    (( ${#got[@]} == 1 )) || have_all=0
+done
+if (( have_all )); then
+    echo "fetch_wheels.sh: every wheel is in $DEST already; not downloading"
+else
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: --disable-pip-version-check \
+        --implementation cp --python-version "$PY_VERSION" \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+        --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any \
+        --dest "$DEST" "${WHEELS[@]}"
+fi
 
 missing=0
 for spec in "${WHEELS[@]}"; do
@@ -74,6 +85,10 @@ for spec in "${WHEELS[@]}"; do
     if (( ${#got[@]} != 1 )); then echo "ERROR: expected one wheel for $spec, found ${#got[@]}" >&2; missing=1; fi
 done
 (( missing == 0 )) || exit 1
+
+# The UCX stack's library wheels without static archives, headers and benchmarks (about 58 ->
+# 27 MiB): what a running process never opens (bench/gpu/slim_wheels.py says what goes).
+"$PYTHON" "$ROOT/bench/gpu/slim_wheels.py" "$DEST"
 
 echo
 echo "wheels in $DEST:"

@@ -53,8 +53,9 @@ if ! "${pip_offline[@]}" --no-deps --no-build-isolation -e "$ROOT"; then
          "(run rekv as: $PYTHON -m rekv_cli)" >&2
 fi
 
-# Smoke check: the imports that the wheels serve, and the generated gRPC code's version guards
-# (-P: not from the current folder, but as installed).
+# Smoke check: the packages the wheels serve, the generated gRPC code's version guards, then
+# every module a GPU step can import (bench/gpu/import_check.py; -P: as installed, not from the
+# current folder).
 "$PYTHON" -P - <<'PY'
 from importlib.metadata import PackageNotFoundError, version as _version
 def version(name):
@@ -65,8 +66,9 @@ def version(name):
 import google.protobuf, grpc, grpc_health.v1.health, grpc_reflection.v1alpha.reflection, gguf
 import rmm, ucxx, torch
 import rekv_core, services.rpc.rekv.v1.rekv_pb2_grpc  # raises if grpcio/protobuf are too old
-names = ["torch", "numpy", "cuda-bindings", "cuda-core", "grpcio", "protobuf", "ucxx-cu13",
-         "libucx-cu13", "rmm-cu13", "gguf", "rekv"]
+names = ["torch", "triton", "numpy", "cuda-bindings", "cuda-core", "grpcio", "protobuf",
+         "ucxx-cu13", "libucx-cu13", "rmm-cu13", "gguf", "rekv"]
 print("installed:", ", ".join(f"{n} {version(n)}" for n in names))
 print("torch sees CUDA:", torch.cuda.is_available())
 PY
+"$PYTHON" "$ROOT/bench/gpu/import_check.py"

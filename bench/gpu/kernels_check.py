@@ -24,7 +24,6 @@ bytes, alternating, in GB/s of the buffer; the goal is >= 1 TB/s on an H200 (iss
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -39,6 +38,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.codecs import (EncodeContext, HadamardInt4Codec, SpectrumCodec,  # noqa: E402
                               SplitZipCodec)
 from rekv_core.kernels.checksum_reference import wsum64_reference  # noqa: E402
@@ -184,14 +184,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"MISMATCH {case}")
     print(f"kernels_check: {len(cases) - len(failed)}/{len(cases)} cases equal on {device} "
           f"in {time.perf_counter() - started:.1f} s")
+
+    def result(rates, complete):  # written before the MAC's rates too: a cut-short step keeps it
+        return {"meta": code, "device": str(device), "dry_run": args.dry_run, "cases": cases,
+                "failed": len(failed), "mac_rate": rates, "complete": complete}
+
+    write_json(args.json, result([], False), indent=1)
     rates = mac_rate(device, args.dry_run)
     for row in rates:
         print(f"poly61 MAC, {row['size_bytes'] >> 10} KiB: {row['poly61_gbps']:,.1f} GB/s, "
               f"device copy {row['copy_gbps']:,.1f} GB/s (goal {MAC_GOAL_GBPS:g})")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"meta": code, "device": str(device), "dry_run": args.dry_run, "cases": cases,
-             "failed": len(failed), "mac_rate": rates}, indent=1))
+    write_json(args.json, result(rates, True), indent=1)
     return 1 if failed else 0
 
 

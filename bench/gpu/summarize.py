@@ -9,8 +9,10 @@ named) and writes `summary.json` and `summary.md` there. The goals, on the H200:
   stricter floor at the measured read-only rate is shown beside it);
 - codec encode and decode, checksum included, ≥ 1 TB/s of BF16 input;
 - the seal's device MAC (the poly61 kernel, issue 28) ≥ 1 TB/s, beside the device copy;
-- joint int8 over full BF16 transfer at the seed's setting (8K tokens, 18.4 Gb/s) at or above the
-  seed's Table 1 ratio, with the eq. 9 model beside each measurement.
+- joint int8 over full BF16 transfer at the seed's setting (8K tokens, 18.4 Gb/s) at least 1.1x
+  the seed's Table 1 ratio (2.6x, 3.1x, 4.0x), with the eq. 9 model beside each measurement.
+A bench whose JSON says `complete: false` was cut short by its step's limit: its rows are the
+points it finished.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ DECODE_GOAL = 2.0  # times the floor
 CODEC_GOAL_GBPS = 1000.0
 SEED_TABLE1 = {"qwen2.5-7b": 2.36, "qwen2.5-3b": 2.84, "qwen3-8b": 3.65}  # joint over full BF16
 SEED_LINK_GBPS = 18.4
+GOAL_TABLE1 = {"qwen2.5-7b": 2.6, "qwen2.5-3b": 3.1, "qwen3-8b": 4.0}  # issue 31: ~1.1x the seed
 
 
 def _load(path: Path, missing: list[str]):
@@ -109,11 +112,13 @@ def handoff(out: Path, missing: list[str]) -> list[dict]:
             ratio = full["median_ms"] / best["median_ms"]
             seed = SEED_TABLE1.get(preset) if float(
                 link.lstrip("x")) == SEED_LINK_GBPS and not link.startswith("x") else None
+            goal = None if seed is None else GOAL_TABLE1[preset]
             found.append({"preset": preset, "link": link, "link_gbps": best["link_gbps"],
                           "full_bf16_ms": full["median_ms"], "joint_int8_cut": best["cut"],
                           "joint_int8_ms": best["median_ms"], "joint_int8_model_ms":
                           best["model_ms"], "ratio": ratio, "seed_ratio": seed,
-                          "met": None if seed is None else ratio >= seed})
+                          "goal_ratio": goal, "complete": data.get("complete", True),
+                          "met": None if goal is None else ratio >= goal})
     if not found:
         missing.append("handoff-*.json")
     return found
@@ -130,7 +135,8 @@ def ttft(data: dict | None) -> list[dict] | None:
         rows.append({"prompt_len": p["prompt_len"], "link": p["link"],
                      "link_gbps": p["link_gbps"],
                      **{f"{w}_ms": best[w]["median_ms"] for w in
-                        ("baseline", "seed", "streamed", "chunked", "colocated")},
+                        ("baseline", "seed", "streamed", "chunked", "pipelined", "colocated")
+                        if w in best},
                      "chunked_action": best["chunked"]["label"],
                      "d_over_e": p["chunked_over_colocated"],
                      "a_over_d": p["baseline_over_chunked"], "b_over_d": p["seed_over_chunked"],
@@ -170,11 +176,13 @@ def markdown(summary: dict) -> str:
                  ["size_bytes", "poly61_gbps", "copy_gbps", "goal_gbps", "met"]),
                 ("Handoff: joint int8 over full BF16 transfer", summary["handoff"],
                  ["preset", "link", "full_bf16_ms", "joint_int8_cut", "joint_int8_ms",
-                  "joint_int8_model_ms", "ratio", "seed_ratio", "met"]),
+                  "joint_int8_model_ms", "ratio", "seed_ratio", "goal_ratio", "complete",
+                  "met"]),
                 ("TTFT from arrival, best action of each schedule (issue 15)",
                  summary["ttft"] or [],
                  ["prompt_len", "link", "link_gbps", "baseline_ms", "seed_ms", "streamed_ms",
-                  "chunked_ms", "colocated_ms", "chunked_action", "d_over_e", "a_over_d",
+                  "chunked_ms", "pipelined_ms", "colocated_ms", "chunked_action", "d_over_e",
+                  "a_over_d",
                   "b_over_d", "met"]))
     for title, rows, columns in sections:
         lines += [f"## {title}", ""] + (_table(rows, columns) if rows else ["(no data)"]) + [""]

@@ -42,7 +42,9 @@ def add_bench_parser(sub) -> None:
                               "schedule (default int8)")
     handoff.add_argument("--warmups", type=int, default=3)
     handoff.add_argument("--runs", type=int, default=10)
-    handoff.add_argument("--json", metavar="FILE", help="also write meta, rows and summaries")
+    handoff.add_argument("--json", metavar="FILE",
+                         help="also write meta, rows and summaries (rewritten after each "
+                              "case: a run stopped early keeps what it finished, complete=false)")
     handoff.set_defaults(func=cmd_bench_handoff)
 
     add_ttft_parser(which)
@@ -119,7 +121,8 @@ def cmd_bench_handoff(args: argparse.Namespace) -> int:
                                 if sys.argv[0].endswith("rekv") else None, **started})
     console.print(f"{model.shape.name}: {model.shape.num_layers} layers, {model.dtype}, "
                   f"{model.device}, {threads} torch threads")
-    results = run_bench(model, config, progress=lambda line: console.log(line))
+    results = run_bench(model, config, progress=lambda line: console.log(line),
+                        on_point=lambda partial: write_json(args.json, partial, indent=1))
     print_results(results)
     write_json(args.json, results, indent=1)
     return 0
@@ -195,7 +198,9 @@ def add_ttft_parser(which) -> None:
                       help="the boundary's chunk size for (d) (a multiple of 256; default 256)")
     ttft.add_argument("--warmups", type=int, default=1, help="untimed rounds (default 1)")
     ttft.add_argument("--runs", type=int, default=5, help="timed rounds (default 5)")
-    ttft.add_argument("--json", metavar="FILE", help="also write meta, rows and points")
+    ttft.add_argument("--json", metavar="FILE",
+                      help="also write meta, rows and points (rewritten after each point: a run "
+                           "stopped early keeps its finished points, complete=false)")
     ttft.set_defaults(func=cmd_bench_ttft)
 
 
@@ -229,7 +234,8 @@ def cmd_bench_ttft(args: argparse.Namespace) -> int:
                         codecs=args.codecs, chunk_tokens=args.chunk_tokens,
                         warmups=args.warmups, runs=args.runs,
                         extra={"command": "rekv " + " ".join(sys.argv[1:]), **started})
-    results = run_ttft_bench(model, config, progress=console.log)
+    results = run_ttft_bench(model, config, progress=console.log,
+                             on_point=lambda partial: write_json(args.json, partial, indent=1))
     table = Table(title="TTFT from arrival, best action of each schedule (median ms)")
     for column in ("S", "link", "Gb/s", *SCHEDULES, *(name for name, _ in PAIRED)):
         table.add_column(column, justify="right")

@@ -205,8 +205,11 @@ def summarize(case: Case, shape, prompt_len: int, link: LinkRate, gbps: float,
 
 
 def run_bench(model: Model, config: BenchConfig,
-              progress: Callable[[str], None] = lambda _: None) -> dict:
-    """Run the whole sweep; returns `{meta, points, rows, overlap_vs_sequential, contention}`."""
+              progress: Callable[[str], None] = lambda _: None,
+              on_point: Callable[[dict], None] | None = None) -> dict:
+    """Run the whole sweep; returns `{meta, points, rows, overlap_vs_sequential, contention,
+    complete}`. `on_point` gets the results so far (`complete` False) after each case, so that a
+    run stopped early still leaves every case it finished."""
     shape = model.shape
     L = shape.num_layers
     cases = cases_for(L, config)
@@ -236,18 +239,33 @@ def run_bench(model: Model, config: BenchConfig,
                     point_rows.append(summarize(case, shape, S, rate, gbps, samples))
                     progress(f"S={S} link={rate.label} ({gbps:.3f} Gb/s) {case.action} "
                              f"{case.mode.value}: {point_rows[-1]['median_ms']:.0f} ms")
-            baseline = next(r for r in point_rows if r["action"] == "bf16_transfer")
-            for row in point_rows:
-                row["speedup_vs_bf16"] = baseline["median_ms"] / row["median_ms"]
-            rows += point_rows
+                    if on_point is not None:
+                        on_point(_results(model, config, points,
+                                          rows + with_speedups(point_rows), complete=False))
+            rows += with_speedups(point_rows)
         del state
+    return _results(model, config, points, rows, complete=True)
+
+
+def with_speedups(point_rows: list[dict]) -> list[dict]:
+    """The rows of one (S, link) point, each with its speedup over full BF16 transfer there (the
+    sweep's first case: a row timed before it has none yet)."""
+    baseline = next((r for r in point_rows if r["action"] == "bf16_transfer"), None)
+    for row in point_rows:
+        if baseline is not None:
+            row["speedup_vs_bf16"] = baseline["median_ms"] / row["median_ms"]
+    return point_rows
+
+
+def _results(model: Model, config: BenchConfig, points: list[dict], rows: list[dict],
+             complete: bool) -> dict:
+    shape = model.shape
     return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
-                     "model": shape.name,
-                     "num_layers": L, "warmups": config.warmups, "runs": config.runs,
-                     **config.extra},
+                     "model": shape.name, "num_layers": shape.num_layers,
+                     "warmups": config.warmups, "runs": config.runs, **config.extra},
             "points": points, "rows": rows,
             "overlap_vs_sequential": overlap_vs_sequential(rows),
-            "contention": contention(rows, L)}
+            "contention": contention(rows, shape.num_layers), "complete": complete}
 
 
 def overlap_vs_sequential(rows: list[dict]) -> list[dict]:

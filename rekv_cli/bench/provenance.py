@@ -9,7 +9,9 @@ credited with its figures:
   machine, an installed package), the `REKV_COMMIT` environment variable the caller set, else
   None;
 - `tree_clean`: True when no tracked file differs from HEAD (`git status --porcelain
-  --untracked-files=no` lists nothing), False when one does, None when unknown (no checkout);
+  --untracked-files=no` lists nothing), False when one does; without a checkout, what
+  `REKV_TREE_CLEAN` says (1 or 0: `bench/gpu/tree_manifest.py verify` sets it on the lent
+  machine), else None (unknown);
 - `started`: when the run started, UTC, ISO 8601 to the second.
 
 A tree that is not clean is logged as a warning: the figures then come from code that the commit
@@ -29,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 REPO = Path(__file__).resolve().parents[2]
 COMMIT_ENV = "REKV_COMMIT"
+TREE_CLEAN_ENV = "REKV_TREE_CLEAN"
 
 
 def _git(root: Path, *args: str) -> str | None:
@@ -46,7 +49,8 @@ def provenance(root: Path | None = None) -> dict:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     top = _git(root, "rev-parse", "--show-toplevel")
     if top is None or Path(top).resolve() != Path(root).resolve():
-        return {"commit": env.get(COMMIT_ENV), "tree_clean": None, "started": started}
+        clean = {"1": True, "0": False}.get(env.get(TREE_CLEAN_ENV) or "")
+        return {"commit": env.get(COMMIT_ENV), "tree_clean": clean, "started": started}
     commit = _git(root, "rev-parse", "HEAD")
     changes = _git(root, "status", "--porcelain", "--untracked-files=no")
     clean = None if changes is None else not changes

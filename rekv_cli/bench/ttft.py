@@ -173,8 +173,10 @@ def run_case(model: Model, link: InProcessLink, case: TtftCase, ids: Sequence[in
 
 
 def run_ttft_bench(model: Model, config: TtftConfig,
-                   progress: Callable[[str], None] = lambda _: None) -> dict:
-    """The whole sweep; returns `{meta, rows, points}`."""
+                   progress: Callable[[str], None] = lambda _: None,
+                   on_point: Callable[[dict], None] | None = None) -> dict:
+    """The whole sweep; returns `{meta, rows, points, complete}`. `on_point` gets the results so
+    far (`complete` False) after each (S, link) point."""
     shape, L = model.shape, model.shape.num_layers
     cases = cases_for(L, config)
     rng = random.Random(config.seed)
@@ -208,10 +210,18 @@ def run_ttft_bench(model: Model, config: TtftConfig,
             rows += here
             points.append(_point(S, rate, gbps, balanced, compute_all, here))
             progress(_point_line(points[-1]))
+            if on_point is not None:
+                on_point(_results(model, config, rows, points, complete=False))
+    return _results(model, config, rows, points, complete=True)
+
+
+def _results(model: Model, config: TtftConfig, rows: list[dict], points: list[dict],
+             complete: bool) -> dict:
     return {"meta": {**machine_info(model.device, model.dtype, torch.get_num_threads()),
-                     "model": shape.name, "num_layers": L, "warmups": config.warmups,
-                     "runs": config.runs, "chunk_tokens": config.chunk_tokens, **config.extra},
-            "rows": rows, "points": points}
+                     "model": model.shape.name, "num_layers": model.shape.num_layers,
+                     "warmups": config.warmups, "runs": config.runs,
+                     "chunk_tokens": config.chunk_tokens, **config.extra},
+            "rows": rows, "points": points, "complete": complete}
 
 
 def _row(case: TtftCase, S: int, rate: LinkRate, gbps: float, samples: list[TtftSample],

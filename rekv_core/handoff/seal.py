@@ -63,7 +63,8 @@ import numpy as np
 import torch
 
 from rekv_core.codecs.checksum import checksums, default_algorithm, verify_checksums
-from rekv_core.handoff.bulk_mac import Protection, buffer_tags, framed, mac_for, place
+from rekv_core.handoff.bulk_mac import (Protection, buffer_tags, framed, has_poly1305, mac_for,
+                                        place)
 from rekv_core.transport import Message, TransportError
 
 KEY_BYTES = 32
@@ -156,6 +157,9 @@ def open_message(key: bytes | None, message: Message, expect: Protection | None 
         raise SealError(f"{message.name}: no handoff MAC")
     mac, code, header = header[:MAC_BYTES], header[MAC_BYTES], header[SEAL_BYTES:]
     protection = next((p for p in Protection if p == code), None)
+    if protection is Protection.POLY1305 and not has_poly1305():
+        raise SealError(f"{message.name}: its host buffers are MACed with Poly1305, which needs "
+                        f"the `cryptography` package, missing on this receiver")
     if protection is None or not hmac.compare_digest(mac, _mac(key, message, protection, header)):
         raise SealError(f"{message.name}: handoff MAC mismatch (altered bytes, another "
                         f"handoff's message, a misdirected one, or not from the prefill worker)")
@@ -199,10 +203,10 @@ def check_checksums(message: Message, sealed: bool = False) -> None:
 def encrypt(key: bytes, message: Message) -> Message:
     """`message` with every buffer replaced by its ciphertext and tag (16 bytes longer); the
     message passed in is left as it was."""
-    aead = _cipher(key)
+    arrays = {name: _host_array(message, name, b) for name, b in message.buffers.items()}
+    aead = _cipher(key)  # after the buffers' check: a device buffer is refused without it
     buffers = {}
-    for index, (name, buffer) in enumerate(message.buffers.items()):
-        plain = _host_array(message, name, buffer)
+    for index, (name, plain) in enumerate(arrays.items()):
         if plain.nbytes > MAX_BUFFER_BYTES:
             raise ValueError(f"{message.name}: buffer {name}: {plain.nbytes} bytes, more than "
                              f"the {MAX_BUFFER_BYTES} one AES-GCM call takes")
@@ -216,12 +220,12 @@ def encrypt(key: bytes, message: Message) -> Message:
 def decrypt(key: bytes, message: Message) -> Message:
     """The plaintext of an `encrypt`ed message; `SealError` naming the message and buffer whose
     tag does not hold (altered bytes, another message's buffer, another place, another key)."""
+    arrays = {name: _host_array(message, name, b) for name, b in message.buffers.items()}
     from cryptography.exceptions import InvalidTag
 
     aead = _cipher(key)
     buffers = {}
-    for index, (name, buffer) in enumerate(message.buffers.items()):
-        sealed = _host_array(message, name, buffer)
+    for index, (name, sealed) in enumerate(arrays.items()):
         if sealed.nbytes < TAG_BYTES:
             raise SealError(f"{message.name}: buffer {name}: {sealed.nbytes} bytes, too short "
                             f"for an encrypted buffer")

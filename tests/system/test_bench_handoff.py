@@ -6,9 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from rekv_cli.bench import handoff, provenance
+from rekv_cli.bench import handoff, provenance, ttft
 from rekv_cli.main import main
 from rekv_core.handoff.action import ActionKind
 from tests.support.git_checkout import git, make_checkout
@@ -92,3 +93,54 @@ def test_bad_arguments_are_named():
     assert result.returncode == 2 and "runs" in result.stderr
     result = _rekv("bench", "handoff", "--joint-codecs", "int3")
     assert result.returncode == 2 and "int3" in result.stderr
+
+
+class _Stopped(Exception):
+    """The run stopped from outside (the GPU script's step limit), after some points."""
+
+
+@pytest.mark.parametrize("command, module, runner", [
+    (["bench", "handoff", "--quant-codecs", "int8", "--joint-codecs", "int8",
+      "--sequential-codecs", ""], handoff, "run_once"),
+    (["bench", "ttft", "--codecs", "int8", "--chunk-tokens", "256"], ttft, "run_case")])
+def test_a_run_stopped_early_leaves_what_it_finished(tmp_path, monkeypatch, command, module,
+                                                     runner):
+    """The JSON is rewritten as the run goes (the handoff bench after every case, the TTFT bench,
+    whose rounds shuffle the cases, after every (S, link) point): a run stopped in its second
+    point leaves the first whole, marked incomplete; a handoff run stopped after two cases leaves
+    those two; a finished run says it is complete."""
+    out = tmp_path / "partial.json"
+    real = getattr(module, runner)
+    args = [*command, "--prompt-len", "24", "--link-gbps", "2,3", "--cuts", "15", "--warmups",
+            "0", "--runs", "1", "--json", str(out)]
+
+    def stopping(when):
+        calls = []
+
+        def run(*a, **kw):
+            calls.append(a[1].bandwidth_gbps)  # the link
+            if when(calls):
+                raise _Stopped
+            return real(*a, **kw)
+        return run
+
+    monkeypatch.setattr(module, runner, stopping(lambda calls: len(set(calls)) == 2))
+    with pytest.raises(_Stopped):
+        main(args)
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["rows"]
+    assert {r["link"] for r in report["rows"]} == {"2"}
+    first_point = len(report["rows"])
+    assert not list(tmp_path.glob(".*partial*"))  # written whole, then renamed
+    if module is handoff:
+        monkeypatch.setattr(module, runner, stopping(lambda calls: len(calls) == 3))
+        with pytest.raises(_Stopped):
+            main(args)
+        report = json.loads(out.read_text())
+        assert len(report["rows"]) == 2 < first_point and not report["complete"]
+        assert report["rows"][0]["action"] == "bf16_transfer"
+        assert all("speedup_vs_bf16" in r for r in report["rows"])
+    monkeypatch.setattr(module, runner, real)
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["complete"] is True and {r["link"] for r in report["rows"]} == {"2", "3"}

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from rekv_cli.bench.provenance import COMMIT_ENV, provenance
+from rekv_cli.bench.provenance import COMMIT_ENV, TREE_CLEAN_ENV, provenance
 from tests.support.git_checkout import git, make_checkout
 
 
@@ -46,6 +46,17 @@ def test_without_a_checkout_the_callers_commit_is_taken(tmp_path, monkeypatch):
     assert provenance(copy)["commit"] == "a" * 40 and provenance(copy)["tree_clean"] is None
     monkeypatch.delenv(COMMIT_ENV)
     assert provenance(copy)["commit"] is None
+
+
+def test_without_a_checkout_the_manifests_verdict_says_whether_the_tree_is_clean(
+        tmp_path, monkeypatch):
+    """On the lent machine `bench/gpu/tree_manifest.py verify` sets REKV_TREE_CLEAN."""
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    monkeypatch.setenv(COMMIT_ENV, "c" * 40)
+    for value, clean in (("1", True), ("0", False), ("", None), ("yes", None)):
+        monkeypatch.setenv(TREE_CLEAN_ENV, value)
+        assert provenance(copy)["tree_clean"] is clean
 
 
 def test_a_folder_inside_a_checkout_is_not_that_checkout(checkout, monkeypatch):

@@ -126,7 +126,8 @@ def test_dry_run_on_the_cpu_writes_positive_finite_figures(bench, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "prefill S=256" in result.stdout and "x floor" in result.stdout
     report = json.loads(out.read_text())
-    assert set(report) == {"meta", "ceilings", "prefill", "decode"}
+    assert set(report) == {"meta", "ceilings", "prefill", "decode", "complete"}
+    assert report["complete"] is True
     meta = report["meta"]
     assert meta["model"] == "synthetic:smollm2-135m" and meta["dtype"] == "float32"
     assert meta["contexts"] == [128, 512] and meta["steps"] == 8 and meta["repeats"] == 3

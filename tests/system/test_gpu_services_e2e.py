@@ -8,11 +8,12 @@ import sys
 import pytest
 
 from tests.support.paths import ROOT
+from tests.support.requires import require
 
 SCRIPT = ROOT / "bench" / "gpu" / "services_e2e.py"
 
 pytest.importorskip("transformers")
-pytest.importorskip("ucxx")
+require("ucxx")
 
 
 def test_dry_run_matches_the_reference_for_every_lossless_action(tmp_path):

@@ -114,3 +114,16 @@ def test_real_section_ratios_and_round_trips_on_a_small_model(real):
     assert all(r["exact"] and list(r["boundary_ratios"]) == ["1", "2"] for r in boundary.values())
     assert 1.0 < boundary["per-tensor"]["ratio"] <= 4 / 3
     assert boundary["per-tensor"]["input_bytes"] == 2 * 2 * 48 * 128 * 2  # windows, cuts, BF16
+
+
+def test_the_json_is_rewritten_after_each_model(bench, tmp_path, monkeypatch):
+    """A run cut short keeps every model it finished: one write per model, marked incomplete,
+    then the complete result."""
+    writes = []
+    monkeypatch.setattr(bench, "write_json", lambda path, result: writes.append(
+        (path, len(result["rows"]), result["complete"])))
+    assert bench.main(["--model", "smollm2-135m", "--model", "smollm2-135m", "--prompt-len",
+                       "64", "--repeats", "1", "--no-real", "--json", "out.json"]) == 0
+    per_model = writes[0][1]
+    assert writes == [("out.json", per_model, False), ("out.json", 2 * per_model, False),
+                      ("out.json", 2 * per_model, True)]

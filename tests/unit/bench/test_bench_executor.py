@@ -42,3 +42,13 @@ def test_contexts_are_clipped_to_the_model(bench):
     assert bench.clip_contexts([1024, 8192, 9000], 32, 8192) == [1024, 8160]
     with pytest.raises(ValueError, match="steps"):
         bench.clip_contexts([16], 64, 64)
+
+
+def test_the_json_is_rewritten_after_the_prefill_and_each_context(bench, monkeypatch):
+    writes = []
+    monkeypatch.setattr(bench, "write_json", lambda path, result: writes.append(
+        (result["prefill"] is not None, len(result["decode"]), result["complete"])))
+    assert bench.main(["--dry-run", "--contexts", "16,32", "--steps", "2", "--repeats", "1",
+                       "--prompt-len", "16", "--matmul-n", "64", "--json", "out.json"]) == 0
+    rows = writes[-1][1]
+    assert writes == [(True, 0, False), (True, rows // 2, False), (True, rows, True)]

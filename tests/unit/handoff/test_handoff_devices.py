@@ -25,6 +25,7 @@ from rekv_core.model.shapes import get_preset
 from rekv_core.model.weights import synthetic_weights
 from rekv_core.transport.inprocess import InProcessLink
 from tests.support.inprocess_handoff import planned
+from tests.support.requires import require
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, CUDA])]
@@ -141,7 +142,7 @@ def test_every_interior_cut_is_exact_pipelined(setting):
 
 
 def test_every_action_is_exact_over_ucx(setting):
-    pytest.importorskip("ucxx")
+    require("ucxx")
     from rekv_core.transport.ucx import UcxEngine, UcxReceiver, UcxSender
 
     model, ids, state = setting

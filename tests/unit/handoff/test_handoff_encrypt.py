@@ -8,6 +8,7 @@ from rekv_core.handoff import seal
 from rekv_core.handoff.bulk_mac import Protection
 from rekv_core.handoff.seal import TAG_BYTES, SealError, decrypt, encrypt, new_key
 from rekv_core.transport import Message
+from tests.support.without_cryptography import without_cryptography
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -275,3 +276,14 @@ def test_a_receiver_that_expects_encryption_refuses_plaintext(smollm_bf16):
 
     with pytest.raises(SealError):
         _handoff(smollm_bf16, Action("int8", 12, smollm_bf16.shape.num_layers), False, True)
+
+
+def test_a_device_buffer_is_refused_by_name_where_cryptography_is_missing(monkeypatch):
+    """The GPU image has no `cryptography`: the buffer's place is checked first, so a device
+    buffer still gets the clear refusal, not an import error."""
+    without_cryptography(monkeypatch)
+    message = Message("r1", 0, "layer.0", b"", {"k": torch.empty(64, dtype=torch.uint8,
+                                                                   device="meta")})
+    for operation in (encrypt, decrypt):
+        with pytest.raises(ValueError, match="buffer k is on meta"):
+            operation(new_key(), message)

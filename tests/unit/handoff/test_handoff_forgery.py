@@ -20,6 +20,7 @@ from rekv_core.model import prefill
 from rekv_core.transport import Message
 from tests.support.forgery import keep_crc32, keep_wsum64
 from tests.support.inprocess_handoff import run_handoff
+from tests.support.without_cryptography import without_cryptography
 
 IDS = list(range(1, 41))
 POISON = 0x7F  # 16 bytes of it: INT8 codes of 127, BF16 values of 3.39e38
@@ -198,3 +199,36 @@ def test_only_an_unsealed_handoff_carries_checksums(smollm_bf16, sealed):
     for layer in range(12):
         header, buffers = seen[f"layer.{layer}"]
         assert bool(EncodedKV.from_wire(header, buffers).checksums) is not sealed
+
+
+def test_without_cryptography_host_buffers_are_maced_with_poly61(monkeypatch):
+    """Where `cryptography` is missing (the GPU image), a sealed message of host buffers takes
+    poly61, opens, and a flipped bit is still caught."""
+    key, message = new_key(), _message()
+    without_cryptography(monkeypatch)
+    wire = seal(key, message)
+    assert wire.header[32] == Protection.POLY61
+    assert open_message(key, seal(key, _message())).header == _message().header
+    wire.buffers["a"] = wire.buffers["a"].clone()
+    wire.buffers["a"][7] ^= 0x01
+    with pytest.raises(SealError, match="MAC mismatch"):
+        open_message(key, wire)
+
+
+def test_a_receiver_without_cryptography_refuses_poly1305_by_name(monkeypatch):
+    key = new_key()
+    wire = seal(key, _message(), Protection.POLY1305)
+    without_cryptography(monkeypatch)
+    with pytest.raises(SealError, match="cryptography"):
+        open_message(key, wire)
+
+
+def test_a_sealed_handoff_without_cryptography_rebuilds_the_cache(smollm_bf16, monkeypatch):
+    """The whole handoff, both sides without `cryptography`, as the services run on the GPU
+    image: the cache and the first token's logits equal the sender's."""
+    L = smollm_bf16.shape.num_layers
+    state = prefill(smollm_bf16, IDS)
+    without_cryptography(monkeypatch)
+    result, errors = run_handoff(smollm_bf16, IDS, Action("int8", 12, L), state, key=new_key())
+    assert not errors and result.cache is not None
+    assert torch.equal(result.logits, state.logits)
