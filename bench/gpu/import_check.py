@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import json
 import pkgutil
 import sys
@@ -45,24 +44,18 @@ def module_names() -> list[str]:
     return names
 
 
-def import_script(relative: str) -> None:
-    path = ROOT / relative
-    name = f"_checked_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # registered, as a script run is, so its dataclasses find it
-    spec.loader.exec_module(module)
+def script_module(relative: str) -> str:
+    """The module name of a script under the repo root (`bench` is a namespace package)."""
+    return relative.removesuffix(".py").replace("/", ".")
 
 
 def check() -> dict:
     """{"imported": [...], "optional_missing": {module: package}, "failed": {module: error}}."""
     sys.path.insert(0, str(ROOT))
     imported, optional, failed = [], {}, {}
-    targets = [(name, importlib.import_module) for name in module_names()]
-    targets += [(script, import_script) for script in SCRIPTS]
-    for name, load in targets:
+    for name in [*module_names(), *map(script_module, SCRIPTS)]:
         try:
-            load(name)
+            importlib.import_module(name)
             imported.append(name)
         except ModuleNotFoundError as exc:
             missing = (exc.name or "").partition(".")[0]

@@ -46,11 +46,9 @@ if [[ -z ${PYTHON:-} ]]; then
     if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-BUDGET=${BUDGET_S:-520}  # seconds for everything (step_sizes.py's BUDGET_S): one call of 600
-RESERVE=20  # kept for the summary, which always runs
 FAILED=0
 
-step() {  # step NAME LIMIT_S COMMAND...: run under min(LIMIT_S, what is left of the budget)
+step() {  # step NAME LIMIT_S COMMAND...: run under min(LIMIT_S, what is left of BUDGET)
     local name=$1 limit=$2 start=$SECONDS rc
     shift 2
     local left=$((BUDGET - SECONDS))
@@ -95,7 +93,7 @@ fi
 SIZES=(bench/gpu/step_sizes.py shell)
 ((DRY)) && SIZES+=(--dry-run)
 plan=$("$PYTHON" "${SIZES[@]}") || { echo "bench/gpu/step_sizes.py failed: no steps run"; exit 1; }
-eval "$plan"  # STEPS, ARGS_<step>, LIMIT_<step>
+eval "$plan"  # BUDGET (s, the install included), RESERVE (for the summary), STEPS, ARGS_, LIMIT_
 
 run_step() {  # run_step NAME: the step's command, with its ARGS_ and LIMIT_ from step_sizes.py
     local name=$1 var=${1//[.-]/_}

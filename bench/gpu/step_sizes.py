@@ -3,8 +3,8 @@ time limits, and each one's estimated seconds on the H200, worked out here on th
 device time is spent.
 
     python bench/gpu/step_sizes.py [--json]          the plan, and exit 1 if it does not fit
-    python bench/gpu/step_sizes.py shell [--dry-run] what bench/gpu/run.sh evals: ARGS_<step>
-                                                     arrays and LIMIT_<step> seconds
+    python bench/gpu/step_sizes.py shell [--dry-run] what bench/gpu/run.sh evals: its budget,
+                                                     ARGS_<step> arrays, LIMIT_<step> seconds
 
 Order: most wanted first, so a run cut short still leaves the figures that matter: the `cuda`
 tests, the seed's Table 1 (8K tokens at 18.4 Gb/s, one step per preset), the kernels, the services
@@ -24,7 +24,6 @@ and the summary sum to no more than `SLACK` of `BUDGET_S`, the seconds run.sh gi
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shlex
 import sys
@@ -34,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench.executor import prefill_flops  # noqa: E402
 from rekv_cli.bench.handoff import BenchConfig, LinkRate  # noqa: E402
 from rekv_cli.bench.handoff import cases_for as handoff_cases  # noqa: E402
 from rekv_cli.bench.ttft import TtftConfig  # noqa: E402
@@ -42,10 +42,10 @@ from rekv_core.handoff import Action  # noqa: E402
 from rekv_core.handoff.action import wire_bytes  # noqa: E402
 from rekv_core.model.shapes import ModelShape, get_preset  # noqa: E402
 
-BUDGET_S = 520  # run.sh's BUDGET_S default (the install included): the device allows 600 s a call
+BUDGET_S = 520  # run.sh's budget (the install included), unless BUDGET_S is set: 600 s a call
 SLACK = 0.9  # the plan fits when its estimates take at most this share of the budget
 INSTALL_S = 30  # the carried wheels' offline install, before the first step
-SUMMARY_S = 20  # run.sh's RESERVE: the summary always runs
+SUMMARY_S = 20  # run.sh's RESERVE, kept for the summary, which always runs
 PREFILL_TFLOPS = 300.0  # assumed: 38% of the H200's measured 790 bf16 TFLOP/s (KINDS.md)
 START_S = 25.0  # per step: interpreter, torch + CUDA start, random 7-8B weights, Triton compiles
 HANDOFF_OVERHEAD_S = 0.02  # per handoff: threads, seals, allocation
@@ -70,17 +70,10 @@ class Step:
     limit_s: int
 
 
-def _executor_flops():
-    spec = importlib.util.spec_from_file_location("_executor", ROOT / "bench" / "executor.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.prefill_flops
-
-
 def compute_s(shape: ModelShape, prompt_len: int, layers: int | None = None) -> float:
     """Seconds to run `layers` (default all) layers of a prompt at `PREFILL_TFLOPS`."""
     share = 1.0 if layers is None else layers / shape.num_layers
-    return _executor_flops()(shape, prompt_len) * share / (PREFILL_TFLOPS * 1e12)
+    return prefill_flops(shape, prompt_len) * share / (PREFILL_TFLOPS * 1e12)
 
 
 def _gbps(text: str, shape: ModelShape, prompt_len: int) -> float:
@@ -186,9 +179,11 @@ def shell_name(step: str) -> str:
 
 
 def shell(plan: list[Step]) -> str:
-    """Bash for run.sh: STEPS (names in order), ARGS_<name> arrays and LIMIT_<name> seconds, with
-    `shell_name`'s spelling of each name."""
-    lines = [f"STEPS=({' '.join(s.name for s in plan)})"]
+    """Bash for run.sh: BUDGET (its env BUDGET_S wins) and RESERVE seconds, STEPS (names in
+    order), ARGS_<name> arrays and LIMIT_<name> seconds, with `shell_name`'s spelling of each
+    name."""
+    lines = [f"BUDGET=${{BUDGET_S:-{BUDGET_S}}}", f"RESERVE={SUMMARY_S}",
+             f"STEPS=({' '.join(s.name for s in plan)})"]
     for step in plan:
         lines.append(f"ARGS_{shell_name(step.name)}=({' '.join(map(shlex.quote, step.args))})")
         lines.append(f"LIMIT_{shell_name(step.name)}={step.limit_s}")

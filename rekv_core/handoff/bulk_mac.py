@@ -96,12 +96,8 @@ def buffer_tags(key: bytes, message: Message, protection: Protection) -> list[by
     if protection is Protection.POLY61:
         values = poly61_many([_flat(b) for b in buffers.values()], _poly61_key(key))
         return [value.to_bytes(8, "little") for value in values]
-    try:
-        from cryptography.hazmat.primitives.poly1305 import Poly1305
-    except ImportError as exc:
-        raise RuntimeError(f"{message.name}: its buffers are MACed with Poly1305, which needs the "
-                           f"`cryptography` package, missing here (pip install "
-                           f"'cryptography>=42')") from exc
+    from cryptography.hazmat.primitives.poly1305 import Poly1305  # mac_for, open_message check
+
     return [Poly1305.generate_tag(_one_time_key(key, message, name), _host_bytes(buffer))
             for name, buffer in buffers.items()]
 
