@@ -86,8 +86,8 @@ for spec in "${WHEELS[@]}"; do
 done
 (( missing == 0 )) || exit 1
 
-# The UCX stack's library wheels without static archives, headers and benchmarks (about 58 ->
-# 27 MiB): what a running process never opens (bench/gpu/slim_wheels.py says what goes).
+# The UCX stack's library wheels without static archives, headers and benchmarks, what a
+# running process never opens (bench/gpu/slim_wheels.py says what goes; MAX_MIB checks the set).
 "$PYTHON" "$ROOT/bench/gpu/slim_wheels.py" "$DEST"
 
 echo

@@ -2,7 +2,7 @@
 # bench/gpu/run.sh OUT_DIR [--dry-run]: every figure issue 31 asks of a GPU machine, in one call.
 #
 # Before the device call, here (bench/gpu/prepare.sh does all of it and says what to send):
-#     bash bench/gpu/fetch_wheels.sh .gpu-wheels            # UCX stack etc., slimmed (~27 MiB)
+#     bash bench/gpu/fetch_wheels.sh .gpu-wheels            # UCX stack etc., slimmed
 #     python bench/gpu/tree_manifest.py write               # .gpu-manifest.json: commit + blobs
 #     python bench/gpu/carry_size.py --carry .gpu-wheels --carry .gpu-manifest.json
 # On the lent GPU machine (carry .gpu-wheels and .gpu-manifest.json; one call of under 9 min):
