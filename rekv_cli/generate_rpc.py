@@ -3,6 +3,12 @@
     python -m rekv_cli.generate_rpc            # writes services/rpc/rekv/v1/
     python -m rekv_cli.generate_rpc --check    # exit 1 when the committed modules are stale
 
+The generator is the lock's grpcio-tools (requirements/cpu.lock): another release writes other
+modules (its version string among them), so both modes refuse to run under any other, and the
+check compares the committed modules with the pinned generator's output. The committed modules
+require grpcio >= the generator's version and protobuf >= its gencode version at import:
+pyproject.toml's floors say so (tests/unit/services/test_rpc_versions.py).
+
 protoc writes absolute imports (`from rekv.v1 import rekv_pb2`); they are rewritten to import from
 `services.rpc`, so no top-level `rekv` package is needed on sys.path.
 """
@@ -10,6 +16,8 @@ protoc writes absolute imports (`from rekv.v1 import rekv_pb2`); they are rewrit
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,6 +26,29 @@ ROOT = Path(__file__).resolve().parents[1]
 PROTO_ROOT = ROOT / "proto"
 OUT = ROOT / "services" / "rpc"
 PROTOS = ["rekv/v1/rekv.proto"]
+LOCK = ROOT / "requirements" / "cpu.lock"
+
+
+def locked_generator(lock: Path = LOCK) -> str:
+    """The grpcio-tools version the lock pins."""
+    match = re.search(r"^grpcio-tools==(\S+)$", lock.read_text(), re.M)
+    if match is None:
+        raise RuntimeError(f"{lock} pins no grpcio-tools")
+    return match.group(1)
+
+
+def generator_mismatch() -> str | None:
+    """Why the installed grpcio-tools is not the lock's, or None when it is."""
+    want = locked_generator()
+    try:
+        have = importlib.metadata.version("grpcio-tools")
+    except importlib.metadata.PackageNotFoundError:
+        have = None
+    if have == want:
+        return None
+    return (f"grpcio-tools {have or 'is not installed'}{'' if have is None else ' is installed'}, "
+            f"the lock ({LOCK.relative_to(ROOT)}) pins {want}: install it "
+            f"(`pip install -c {LOCK.relative_to(ROOT)} grpcio-tools`, or `make test`)")
 
 
 def generate(out: Path) -> list[Path]:
@@ -45,6 +76,11 @@ def main() -> int:
     parser.add_argument("--check", action="store_true",
                         help="compare with the committed modules instead of writing them")
     args = parser.parse_args()
+    mismatch = generator_mismatch()
+    if mismatch is not None:
+        print(f"not generating with another grpcio-tools than the lock's: {mismatch}",
+              file=sys.stderr)
+        return 2
     if not args.check:
         for path in generate(OUT):
             print(path.relative_to(ROOT))

@@ -8,15 +8,15 @@
 #
 # What goes in: the packages rekv's steps could use there as /work/.library/device/KINDS.md lists
 # the machine's image, pinned where it gives a version this index has (numpy 2.5.2 it has not),
-# nothing else. torch is this machine's CPU wheel (2.13.0; the device has 2.11.0+cu130, whose CPU
-# build PyPI does not carry) and Python is this machine's (the device runs 3.12). Not in the
+# the rest at the lock's versions (requirements/cpu.lock), nothing else. torch is this machine's
+# CPU wheel (2.13.0; the device has 2.11.0+cu130, whose CPU build PyPI does not carry) and Python is this machine's (the device runs 3.12). Not in the
 # device image and so not here: cryptography, gguf (carried), opentelemetry,
 # grpcio-health-checking and grpcio-reflection (carried), grpcio-tools.
 # Then: bench/gpu/install_wheels.sh WHEELS with this venv's python, as the device run does; its
 # smoke check imports every module the GPU steps import (bench/gpu/import_check.py).
 # Fetches the wheels first (bench/gpu/fetch_wheels.sh: PyPI) where WHEELS lacks them. Writes
-# VENV/.ready last, holding a hash of the three scripts: a venv without it, or built by other
-# versions of them, is rebuilt from scratch.
+# VENV/.ready last, holding a hash of the three scripts, the lock and tools/lock.py: a venv without
+# it, or built by other versions of them, is rebuilt from scratch.
 set -euo pipefail
 
 VENV=${1:-.venv-device}
@@ -33,7 +33,8 @@ DEVICE_PACKAGES=(
 
 # the venv is reused while this script, the install script and the wheel list are unchanged
 STAMP=$(cat "$ROOT/bench/gpu/device_venv.sh" "$ROOT/bench/gpu/install_wheels.sh" \
-        "$ROOT/bench/gpu/fetch_wheels.sh" | sha256sum | cut -d' ' -f1)
+        "$ROOT/bench/gpu/fetch_wheels.sh" "$ROOT/requirements/cpu.lock" "$ROOT/tools/lock.py" \
+        | sha256sum | cut -d' ' -f1)
 if [[ -f $VENV/.ready && $(cat "$VENV/.ready") == "$STAMP" ]]; then
     echo "device_venv.sh: $VENV is ready"
     exit 0
@@ -41,8 +42,13 @@ fi
 bash "$ROOT/bench/gpu/fetch_wheels.sh" "$WHEELS"  # downloads nothing when they are there
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "${DEVICE_PACKAGES[@]}"
+# What DEVICE_PACKAGES leaves unpinned takes the lock's version (less torch and triton, and the
+# packages pinned above to the device's).
+python3 "$ROOT/tools/lock.py" constraints --torch "torch==2.13.0+device" \
+    --without transformers,tokenizers,safetensors,accelerate "$ROOT/requirements/cpu.lock" \
+    > "$VENV/constraints.txt"
+"$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" --upgrade pip
+"$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" "${DEVICE_PACKAGES[@]}"
 PYTHON="$VENV/bin/python" bash "$ROOT/bench/gpu/install_wheels.sh" "$WHEELS"
 echo "$STAMP" > "$VENV/.ready"
 echo "device_venv.sh: $VENV ready"

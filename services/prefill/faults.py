@@ -78,7 +78,7 @@ class Faults:
             return decision
         log.warning("fault injection: coarsening %s's prefix codec %s", request_id,
                     decision.plan.codec.name)
-        plan = dataclasses.replace(decision.plan, codec=_CoarseCodec(decision.plan.codec))
+        plan = dataclasses.replace(decision.plan, codec=CoarseCodec(decision.plan.codec))
         return dataclasses.replace(decision, plan=plan)
 
     def for_handoff(self, request_id: str, transfer: Transfer, cut: int,
@@ -159,7 +159,7 @@ def coarsened(t: torch.Tensor) -> torch.Tensor:
     return ((t.float() / step).round() * step).to(t.dtype)
 
 
-class _CoarseCodec:
+class CoarseCodec:
     """`inner`, encoding coarsened K and V (`coarse_codec`); everything else is `inner`'s."""
 
     def __init__(self, inner: Codec):
