@@ -44,6 +44,10 @@ from rekv_core.model.bucketed import BucketedDecoder  # noqa: E402
 from rekv_core.model.packed import PackedLinears  # noqa: E402
 from rekv_core.timing import synchronize  # noqa: E402
 
+# what the figures measure (`provenance`): the batched step alone, ceilings from executor.py
+MEASURES = ("rekv_core/model", "rekv_core/engine", "rekv_core/kernels", "rekv_core/timing.py",
+            "bench/batched_decode.py", "bench/executor.py")
+
 DRY_RUN = {"model": "synthetic:smollm2-135m", "contexts": "64,256", "batches": "1,2,4",
            "steps": 4, "repeats": 2}
 DEFAULTS = {"model": "synthetic:qwen2.5-7b", "contexts": "1024,8192", "batches": "1,4,16,64",
@@ -97,7 +101,7 @@ def choose_step(model: Model, args: argparse.Namespace):
 def run(args: argparse.Namespace, on_progress: Callable[[dict], None] | None = None) -> dict:
     """The whole bench; `on_progress` gets the result so far (`complete` False) after each
     context's batches, so a run stopped early keeps what it finished."""
-    started = provenance()
+    started = provenance(measures=MEASURES)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     ceilings = bandwidth_ceilings(device, args.repeats)

@@ -46,13 +46,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from rekv_cli.bench.machine import machine_info
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import SERVICES, provenance
 from rekv_cli.bench.stats import median_ci, paired_ratio
 from rekv_cli.client import generate, generate_request
 from rekv_cli.launcher import ServiceProcess
 from rekv_cli.util import write_json
 from rekv_core.eval.needle import passkey_prompt
 from services.rpc import rekv_pb2_grpc
+
+# what the figures measure (`provenance`): the two services as processes, the canary on and off
+MEASURES = (*SERVICES, "rekv_cli/bench/stats.py", "bench/canary.py")
 
 MODEL = "smollm2-135m"
 PROFILE = ROOT / "rekv_core" / "plan" / "profiles" / f"{MODEL}.json"
@@ -209,7 +212,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    source = provenance()
+    source = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=4, help="blocks per fraction")
     parser.add_argument("--requests", type=int, default=12, help="timed requests per block")

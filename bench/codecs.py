@@ -62,6 +62,11 @@ from rekv_core.kernels.hadamard_reference import default_block  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 from rekv_core.timing import median_seconds, synchronize  # noqa: E402
 
+# what the figures measure (`provenance`): every codec and kernel, and the real model's KV
+# they code (its text windows from the gate)
+MEASURES = ("rekv_core/codecs", "rekv_core/kernels", "rekv_core/model", "rekv_core/plan/gate.py",
+            "rekv_core/timing.py", "bench/codecs.py", "bench/codec_real.py")
+
 WARMUPS = 3
 CEILING = "memcpy"  # the codec column of the copy ceilings
 
@@ -169,7 +174,7 @@ def run(models: list[str], prompt_len: int, repeats: int, device: torch.device,
         on_progress: Callable[[dict], None] | None = None) -> dict:
     """Every model's timings, then the real-data section; `on_progress` gets the result so far
     (`complete` False) after each model, so a run stopped early keeps what it finished."""
-    started = provenance()
+    started = provenance(measures=MEASURES)
     copy_gbps = copy_bandwidth(device, repeats) if timing else None
     result = {
         "machine": {**machine_info(device, torch.bfloat16, torch.get_num_threads()), **started},

@@ -36,6 +36,9 @@ from rekv_cli.launcher import ServicePair, ServiceProcess  # noqa: E402
 from prometheus_server import SCRAPE_S, Prometheus  # noqa: E402
 
 DASHBOARD = ROOT / "helm" / "rekv" / "dashboards" / "rekv-overview.json"
+# what the picture measures (`provenance`), beyond the two services as processes
+MEASURES = ("bench/dashboard_picture.py", "bench/prometheus_server.py",
+            "helm/rekv/dashboards/rekv-overview.json")
 MODEL = "smollm2-135m"  # the embedded model
 PROFILE = ROOT / "rekv_core" / "plan" / "profiles" / f"{MODEL}.json"
 CLOSED_PREFILL = "127.0.0.1:1"  # nothing listens there: the orphan decode worker falls back
@@ -289,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     from rekv_cli.bench.machine import cpu_model
-    from rekv_cli.bench.provenance import provenance
+    from rekv_cli.bench.provenance import SERVICES, provenance
 
-    started = provenance()
+    started = provenance(measures=(*SERVICES, *MEASURES))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", default="15s", help="$__rate_interval of the picture")

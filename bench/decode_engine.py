@@ -53,12 +53,15 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from rekv_cli.bench.machine import cpu_model  # noqa: E402
-from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.bench.provenance import SERVICES, provenance  # noqa: E402
 from rekv_cli.client import generate, generate_request  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 from services.rpc import rekv_pb2_grpc  # noqa: E402
+
+# what the figures measure (`provenance`): the two services as processes, driven by this script
+MEASURES = (*SERVICES, "bench/decode_engine.py")
 
 L = get_preset(DEFAULT_MODEL).num_layers
 PATHS = ("batched", "per_request")
@@ -253,7 +256,7 @@ def cases(args) -> list[tuple]:
 
 
 def run(args) -> dict:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     rng = random.Random(args.seed)
     rows = []
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="rekv-decode-engine-"))

@@ -60,6 +60,9 @@ from rekv_core.model.executor import embed, run_layers  # noqa: E402
 from rekv_core.model.static_decode import StaticDecoder  # noqa: E402
 from rekv_core.timing import median_seconds, synchronize  # noqa: E402
 
+# what the figures measure (`provenance`): the executor's prefill and decode step
+MEASURES = ("rekv_core/model", "rekv_core/timing.py", "bench/executor.py")
+
 WARMUPS = 2
 DRY_RUN = {"model": "synthetic:smollm2-135m", "prompt_len": 256, "contexts": "128,512",
            "steps": 8, "repeats": 3, "matmul_n": 512}
@@ -261,7 +264,7 @@ def meta(args: argparse.Namespace, model: Model, device: torch.device, started: 
 def run(args: argparse.Namespace, on_progress: Callable[[dict], None] | None = None) -> dict:
     """The whole bench; `on_progress` gets the result so far (`complete` False) after the prefill
     and after each context, so a run stopped early keeps what it finished."""
-    started = provenance()
+    started = provenance(measures=MEASURES)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Model(load_weights(args.model, dtype, device))
     contexts = clip_contexts(args.contexts, args.steps, model.shape.max_positions)

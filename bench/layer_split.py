@@ -93,7 +93,8 @@ def point_summary(rows: list[dict]) -> dict:
 
 def run(args) -> dict:
     return forced.sweep(args, "layer_split",
-                        lambda L, S, cuts: cases_for(L, S, cuts, args.codecs), point_summary)
+                        lambda L, S, cuts: cases_for(L, S, cuts, args.codecs), point_summary,
+                        measures=("bench/layer_split.py",))
 
 
 def markdown(result: dict) -> str:

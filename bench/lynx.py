@@ -96,7 +96,7 @@ def run(args) -> dict:
         r["drafted"], r["accepted"] = drafts or (None, None)
 
     return forced.sweep(args, "lynx", lambda L, S, cuts: cases_for(L, cuts, args.codecs),
-                        point_summary, annotate)
+                        point_summary, annotate, measures=("bench/lynx.py",))
 
 
 def markdown(result: dict) -> str:

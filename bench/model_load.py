@@ -40,6 +40,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# what the figures measure (`provenance`): loading the model, its digest and fingerprint
+MEASURES = ("rekv_core/model", "rekv_core/handoff/fingerprint.py", "bench/model_load.py")
 
 CHILD = """
 import json, sys, time
@@ -93,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from rekv_cli.bench.machine import machine_info
     from rekv_cli.bench.provenance import provenance
 
-    started = provenance()
+    started = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

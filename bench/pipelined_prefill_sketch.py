@@ -32,6 +32,9 @@ from rekv_core.model.blocks import chunk_bounds  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL  # noqa: E402
 from rekv_core.model.weights import load_weights  # noqa: E402
 
+# what the figures measure (`provenance`): the executor's chunked prefill and suffix, no link
+MEASURES = ("rekv_core/model", "bench/pipelined_prefill_sketch.py")
+
 
 def _pinned(core: int):
     os.sched_setaffinity(0, {core})
@@ -71,7 +74,7 @@ def pipelined(model, ids, cut: int, chunk: int) -> float:
 
 
 def main(argv=None) -> int:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-len", type=int, default=2048)
     parser.add_argument("--cuts", default="10,15,20")

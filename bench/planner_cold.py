@@ -42,10 +42,14 @@ from rekv_cli.bench.link.sweep import (  # noqa: E402
     start_services,
 )
 from rekv_cli.bench.machine import cpu_model  # noqa: E402
-from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.bench.provenance import LINK, provenance  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
+
+# what the figures measure (`provenance`): the services across the emulated link, the
+# planner asked first
+MEASURES = (*LINK, "bench/planner_cold.py")
 
 L = get_preset(DEFAULT_MODEL).num_layers
 STREAMED = None  # the services' default schedule
@@ -145,7 +149,7 @@ def markdown(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--points", type=int, default=4)
     parser.add_argument("--seed", type=int, default=None)

@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rekv_cli.bench.machine import machine_info
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import IN_PROCESS, provenance
 from rekv_cli.util import csv_of, write_json
 from rekv_core.handoff import (Action, Delivery, HandoffPlan, Receiving, Sealing, receive_handoff,
                                send_handoff)
@@ -50,6 +50,9 @@ from rekv_core.handoff.transfer import Transfer
 from rekv_core.model import KVCache, Model, load_weights, prefill
 from rekv_core.transport.inprocess import InProcessLink
 from services.prefill.faults import Faults
+
+# what the figures measure (`provenance`): a handoff in process, the prefill side's faults injected
+MEASURES = (*IN_PROCESS, "services/prefill/faults.py", "bench/recovery.py")
 
 CASES = {"flip_bit": True, "flip_late_bit": True, "hold_prefix": False, "killed": False}
 STALL_S = 5.0  # the receiver's stall limit after a finished prefill: a held prefix is given up
@@ -148,7 +151,7 @@ def measure(model: Model, prompt_len: int, cut: int, repeats: int) -> list[dict]
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     dtype = getattr(torch, args.dtype)
     model = Model(load_weights("smollm2-135m", dtype))
     rows = [row for n in args.prompt_lens for row in measure(model, n, args.cut, args.repeats)]

@@ -79,11 +79,15 @@ from reliability_requests import (
 
 from rekv_cli.bench.machine import cpu_model
 from rekv_cli.bench.memory import growth, memory_map, proc_status
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import SERVICES, provenance
 from rekv_cli.launcher import ServicePair
 from rekv_cli.util import write_json
 from rekv_core.model import Model, greedy_generate, load_weights
 from rekv_core.model.tokenizer import load_tokenizer
+
+# what the figures measure (`provenance`): the two services as processes under load
+MEASURES = (*SERVICES, "rekv_cli/bench/memory.py", "bench/reliability_load.py",
+            "bench/reliability_requests.py", "bench/reliability_report.py")
 
 PROFILE = ROOT / "rekv_core" / "plan" / "profiles" / f"{MODEL}.json"  # no measurement at start
 GAUGES = ("rekv_transport_pending", "rekv_handoffs_in_flight")
@@ -216,7 +220,7 @@ def meta(args: argparse.Namespace, code: dict) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    code = provenance()
+    code = provenance(measures=MEASURES)
     started = time.monotonic()
     rng = random.Random(args.seed)
     pool = prompt_pool(load_tokenizer(MODEL), args.prompts, args.prompt_tokens, rng,

@@ -59,6 +59,12 @@ from rekv_core.handoff.bulk_mac import Protection, buffer_tags
 from rekv_core.handoff.seal import decrypt, encrypt, new_key, open_message, seal, with_checksums
 from rekv_core.transport import Message
 
+# what the figures measure (`provenance`): the seal, the bulk MACs and the checksum on host buffers
+MEASURES = ("rekv_core/handoff/seal.py", "rekv_core/handoff/bulk_mac.py",
+            "rekv_core/codecs/checksum.py", "rekv_core/kernels/checksum_reference.py",
+            "rekv_core/kernels/checksum_triton.py", "rekv_core/kernels/polymac_reference.py",
+            "rekv_core/kernels/polymac_triton.py", "bench/seal.py")
+
 MIN_SAMPLE_S = 1e-3
 PAGE = 4096
 PER_MESSAGE = ("seal, sizes only",)  # header-only: no GB/s
@@ -133,7 +139,7 @@ def measure(size: int, repeats: int, warmups: int, link_gbps: float) -> list[dic
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     rows = [row for mib in args.sizes
             for row in measure(mib << 20, args.repeats, args.warmups, args.link_gbps)]
     return {

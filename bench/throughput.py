@@ -45,11 +45,14 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from rekv_cli.bench.machine import cpu_model  # noqa: E402
-from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.bench.provenance import SERVICES, provenance  # noqa: E402
 from rekv_cli.client import generate  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
+
+# what the figures measure (`provenance`): the two services as processes under concurrent load
+MEASURES = (*SERVICES, "bench/throughput.py")
 
 L = get_preset(DEFAULT_MODEL).num_layers
 
@@ -107,7 +110,7 @@ def run_mode(channel, cut: int | None, prompt: list[int], args, label: str) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=16)

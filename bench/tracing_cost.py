@@ -44,7 +44,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from rekv_cli.bench.machine import machine_info
 from rekv_cli.bench.otlp_collector import OtlpCollector
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import SERVICES, provenance
 from rekv_cli.bench.stats import median_ci, paired_ratio
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair
@@ -62,6 +62,11 @@ from services.request_spans import MessageLog, describe_decision, describe_repor
 from services.request_spans import record_receive, record_recompute
 from services.tracing import TRACING_OFF
 from services.tracing_sdk import SdkTracing
+
+# what the figures measure (`provenance`): the span code, then the two services as
+# processes exporting to the collector
+MEASURES = (*SERVICES, "rekv_cli/bench/otlp_collector.py", "rekv_cli/bench/stats.py",
+            "bench/tracing_cost.py")
 
 SHAPE = get_preset("smollm2-135m")
 CUT = 15
@@ -219,7 +224,7 @@ def services(requests: int, prompt_tokens: int, new_tokens: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     result = {"machine": {**machine_info(torch.device("cpu"), torch.bfloat16,
                                          torch.get_num_threads()), **started},
               "command": " ".join(["python", *sys.argv]),

@@ -26,7 +26,7 @@ import argparse
 import os
 import sys
 
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import LINK, provenance
 from rekv_cli.util import write_json
 
 DEMO_LENGTHS = (0, 12, 30)  # filler repeats: about 50, 340 and 770 prompt tokens
@@ -204,7 +204,8 @@ def _service_args(args: argparse.Namespace, model: str) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    started = provenance()
+    started = provenance(measures=(*LINK, "rekv_cli/demo.py", "rekv_cli/demo_client.py",
+                                   "rekv_cli/demo_link.py"))
     from rich.console import Console
 
     from rekv_cli.bench.link.sweep import service_layout

@@ -14,6 +14,11 @@ from rekv_cli.util import csv_of, write_json
 from rekv_core.model.shapes import DEFAULT_MODEL
 
 SPLITZIP_CALIBRATION = 4  # text windows SplitZip's codebooks are ranked over
+# what `rekv gate` and `rekv regate` measure: the gate and its policy over every codec on the model
+GATE_MEASURES = ("rekv_core/plan/gate.py", "rekv_core/plan/generations.py",
+                 "rekv_core/plan/policy.py", "rekv_core/plan/policy_meta.py", "rekv_core/codecs",
+                 "rekv_core/kernels", "rekv_core/model", "rekv_core/eval", "rekv_core/settings.py",
+                 "rekv_cli/plan.py")
 
 
 def _runtime_flags(parser) -> None:
@@ -175,7 +180,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_gate(args: argparse.Namespace) -> int:
-    started = provenance()
+    started = provenance(measures=GATE_MEASURES)
     from rich.console import Console
     from rich.table import Table
 
@@ -252,7 +257,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
 def cmd_regate(args: argparse.Namespace) -> int:
     import time
 
-    started = provenance()
+    started = provenance(measures=GATE_MEASURES)
     from rich.console import Console
 
     from rekv_core.plan.gate import GateConfig, regate_generations

@@ -20,6 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from rekv_cli.bench.machine import machine_info  # noqa: E402
 from rekv_cli.bench.provenance import provenance  # noqa: E402
 
+# what the figures measure (`provenance`): this script only (where the run ran, no code of rekv)
+MEASURES = ("bench/gpu/env_info.py",)
+
 PACKAGES = ("triton", "ucxx-cu13", "ucxx-cu12", "libucx-cu13", "libucx-cu12", "grpcio",
             "protobuf", "transformers", "cryptography", "gguf", "numpy")  # those found
 
@@ -44,7 +47,7 @@ def versions() -> dict[str, str]:
 
 
 def main() -> int:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description="record where a GPU run ran")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args()

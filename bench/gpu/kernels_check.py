@@ -50,6 +50,10 @@ from rekv_core.kernels.polymac_reference import Poly61Key, poly61_reference  # n
 from rekv_core.kernels.polymac_triton import poly61_triton_many  # noqa: E402
 from rekv_core.model.shapes import get_preset  # noqa: E402
 
+# what the figures measure (`provenance`): the Triton kernels against their references,
+# and the codecs over them
+MEASURES = ("rekv_core/kernels", "rekv_core/codecs", "bench/gpu/kernels_check.py")
+
 PRESETS = ("qwen2.5-7b", "qwen2.5-3b", "qwen3-8b")
 LENGTHS = (1, 7, 64, 1000, 2048, 8192)
 DRY_SHAPES = ((1, 1, 64), (2, 5, 64), (3, 33, 128))
@@ -168,7 +172,7 @@ def mac_rate(device: torch.device, dry_run: bool) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = provenance()
+    code = provenance(measures=MEASURES)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dry-run", action="store_true", help="small shapes (CPU interpreter)")

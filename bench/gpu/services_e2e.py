@@ -36,7 +36,10 @@ sys.path.insert(0, str(ROOT))  # run as a script from any folder, rekv installed
 
 import torch  # noqa: E402
 
-from rekv_cli.bench.provenance import provenance  # noqa: E402
+from rekv_cli.bench.provenance import SERVICES, provenance  # noqa: E402
+
+# what the figures measure (`provenance`): the two services as processes on the device
+MEASURES = (*SERVICES, "bench/gpu/services_e2e.py")
 
 UCX_TLS_NAMES = ("cuda_ipc", "cuda_copy", "gdr_copy", "rocm_ipc", "rocm_copy", "tcp", "rc_mlx5",
                  "rc_verbs", "dc_mlx5", "ud_mlx5", "ud_verbs", "rc", "dc", "ud", "posix", "sysv",
@@ -354,7 +357,7 @@ def collect(args: argparse.Namespace, out: Path, report: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    started = provenance()
+    started = provenance(measures=MEASURES)
     args = parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

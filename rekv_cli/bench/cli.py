@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import IN_PROCESS, LINK, provenance
 from rekv_cli.util import csv_of, write_json
 
 
@@ -92,7 +92,8 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench_handoff(args: argparse.Namespace) -> int:
-    started = provenance()
+    started = provenance(measures=(*IN_PROCESS, "rekv_cli/bench/handoff.py",
+                                   "rekv_cli/bench/stats.py"))
     from rich.console import Console
 
     from rekv_cli.bench.handoff import BenchConfig, LinkRate, run_bench
@@ -205,7 +206,8 @@ def add_ttft_parser(which) -> None:
 
 
 def cmd_bench_ttft(args: argparse.Namespace) -> int:
-    started = provenance()
+    started = provenance(measures=(*IN_PROCESS, "rekv_cli/bench/handoff.py",
+                                   "rekv_cli/bench/ttft.py", "rekv_cli/bench/stats.py"))
     from rich.console import Console
     from rich.table import Table
 
@@ -287,7 +289,7 @@ def print_codec_gains(points: list[dict], console) -> None:
 
 
 def cmd_bench_link(args: argparse.Namespace) -> int:
-    started = provenance()
+    started = provenance(measures=LINK)
     from rich.console import Console
     from rich.table import Table
 

@@ -84,6 +84,7 @@ def test_the_json_names_the_commit_read_before_the_run(tmp_path, monkeypatch):
     assert git(checkout, "rev-parse", "HEAD") != first  # the run did see a new commit
     assert meta["commit"] == first and meta["tree_clean"] is True
     assert meta["started"] and meta["model"] == "smollm2-135m"
+    assert {"rekv_core/handoff", "rekv_cli/bench/handoff.py"} <= set(meta["measures"])
 
 
 def test_bad_arguments_are_named():

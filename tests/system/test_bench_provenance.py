@@ -1,17 +1,24 @@
-"""`provenance()`: the commit a result names and whether the tree matched it, in a real checkout."""
+"""`provenance()`: the commit a result names, whether the tree matched it and the code it declares
+it measures, in a real checkout."""
 
 import logging
 import time
 
 import pytest
 
-from rekv_cli.bench.provenance import COMMIT_ENV, TREE_CLEAN_ENV, provenance
+from rekv_cli.bench.provenance import COMMIT_ENV, TREE_CLEAN_ENV
+from rekv_cli.bench.provenance import provenance as read_provenance
 from tests.support.git_checkout import git, make_checkout
 
 
 @pytest.fixture
 def checkout(tmp_path):
     return make_checkout(tmp_path)
+
+
+def provenance(root):
+    """What a run at `root` measuring its one file records."""
+    return read_provenance(root, measures=("code.py",))
 
 
 def test_a_clean_checkout_names_its_full_head_and_a_clean_tree(checkout, monkeypatch, caplog):
@@ -66,3 +73,16 @@ def test_a_folder_inside_a_checkout_is_not_that_checkout(checkout, monkeypatch):
     monkeypatch.setenv(COMMIT_ENV, "b" * 40)
     found = provenance(inside)
     assert found["commit"] == "b" * 40 and found["tree_clean"] is None
+
+
+def test_the_declared_code_is_recorded_in_order_without_repeats(checkout, caplog):
+    with caplog.at_level(logging.WARNING):
+        found = read_provenance(checkout, measures=("code.py", "lib", "code.py"))
+    assert found["measures"] == ["code.py", "lib"]
+    assert any("lib" in r.getMessage() for r in caplog.records)  # not in the tree: logged
+
+
+@pytest.mark.parametrize("measures", [(), "code.py", ("/etc",), ("../code.py",), ("",)])
+def test_no_declared_code_or_a_path_outside_the_tree_is_refused(checkout, measures):
+    with pytest.raises(ValueError, match="measures"):
+        read_provenance(checkout, measures=measures)

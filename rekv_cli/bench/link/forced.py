@@ -3,14 +3,15 @@
 per link rate and prompt length S the bench's cases, each once per round in an order shuffled
 each round.
 
-`sweep(args, name, cases_for, summarize, annotate)` runs it: `cases_for(L, S, cuts)` gives a point's
-cases (each with a `role`), `summarize(rows)` gives the point's summary (its key ending
-`_over_other` is the ratio printed as the point ends), `annotate(row, number, S, log_dir)`, when
-given, adds a bench's own fields to a case's row; the result holds the meta (provenance taken at the
-start), the balanced rates, every row and every point. `parse_args(description, argv, check)` reads
-the benches' common options, `main(args, run, markdown)` writes their outputs, `every_case(result)`
-lists every case in markdown, `heading` and `best_against_other` the rest of what their reports
-share.
+`sweep(args, name, cases_for, summarize, annotate, measures=)` runs it: `cases_for(L, S, cuts)`
+gives a point's cases (each with a `role`), `summarize(rows)` gives the point's summary (its key
+ending `_over_other` is the ratio printed as the point ends), `annotate(row, number, S, log_dir)`,
+when given, adds a bench's own fields to a case's row, and `measures` names the bench's own code
+(its script), which its provenance adds to `LINK`'s; the result holds the meta (provenance taken
+at the start), the balanced rates, every row and every point. `parse_args(description, argv,
+check)` reads the benches' common options, `main(args, run, markdown)` writes their outputs,
+`every_case(result)` lists every case in markdown, `heading` and `best_against_other` the rest of
+what their reports share.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import random
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from rekv_cli.bench.handoff import LinkRate, prompt_ids
@@ -30,15 +31,16 @@ from rekv_cli.bench.link.report import row
 from rekv_cli.bench.link.sweep import (LinkBenchConfig, balanced_gbps, run_client,
                                        service_layout, start_services)
 from rekv_cli.bench.machine import cpu_model
-from rekv_cli.bench.provenance import provenance
+from rekv_cli.bench.provenance import LINK, provenance
 from rekv_cli.util import write_json
 from rekv_core.settings import RuntimeSettings
 
 
 def sweep(args, name: str, cases_for: Callable[[int, int, list[int]], list[dict]],
           summarize: Callable[[list[dict]], dict],
-          annotate: Callable[[dict, int, int, Path], None] | None = None) -> dict:
-    started = provenance()
+          annotate: Callable[[dict, int, int, Path], None] | None = None, *,
+          measures: Sequence[str]) -> dict:
+    started = provenance(measures=(*LINK, *measures))
     settings = RuntimeSettings.from_env(model=args.model, dtype=args.dtype)
     model = settings.load_model()
     shape = model.shape
