@@ -1,9 +1,14 @@
 """The per-request quality setting through both services as real processes (gRPC and UCX on
-loopback, the prefill pacing its sends to a slow link, where the lossy actions the shipped policy
-passed are the planner's cheaper choices): `lossless` gets exactly the single-process reference's
-greedy tokens from a lossless action, the summary says which setting applied, an unset one takes
-the deployment's default, the decode worker counts requests by setting, and a bad one is refused
-naming its field."""
+loopback, the prefill pacing its sends to a slow link): `lossless` gets exactly the single-process
+reference's greedy tokens from a lossless action, the summary says which setting applied, an unset
+one takes the deployment's default, the decode worker counts requests by setting, and a bad one is
+refused naming its field.
+
+The prefill runs with a policy file of its own that passes `int8` and `int4h` at every cut (the
+shipped policy passes no lossy codec since its re-gate), so that `lossless` has lossy actions the
+planner ranks beside the lossless ones and must refuse. Whether `gated` then takes a lossy one
+depends on this machine's measured costs (they are near-equal here), so that it admits them is
+held by `tests/unit/plan/test_quality.py`, not asserted here."""
 
 import re
 import urllib.request
@@ -14,6 +19,7 @@ import torch
 
 from rekv_core.handoff import Action
 from rekv_core.model import Model, greedy_generate, load_weights
+from rekv_core.plan.policy import Policy
 from rekv_cli.client import generate, generate_request
 from rekv_cli.launcher import ServicePair
 from services.rpc import rekv_pb2, rekv_pb2_grpc
@@ -23,13 +29,16 @@ PROMPTS = (
     "Question: Explain what a hash table is to a beginner programmer.\nAnswer:",
 )
 TOKENS = 24
+LOSSY_PASSED = {"int8": 30, "int4h": 30}  # codec -> the largest cut the test's policy passes
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    policy = tmp_path_factory.mktemp("policy") / "smollm2-135m.json"
+    Policy("smollm2-135m", (1, 4096), LOSSY_PASSED).save(policy)
     common = ["--dtype", "bfloat16", "--torch-threads", str(torch.get_num_threads()),
               "--codecs", "bf16,int8,int4h,splitzip"]
-    pair = ServicePair([*common, "--pace-gbps", "0.05"], common,
+    pair = ServicePair([*common, "--pace-gbps", "0.05", "--policy", str(policy)], common,
                        log_dir=tmp_path_factory.mktemp("quality"))
     yield pair
     assert pair.stop() == {"decode": 0, "prefill": 0}, "services did not stop cleanly"

@@ -4,10 +4,11 @@ Every layer's anchor goes before any residual; when the result comes back the ca
 at anchor precision (the anchor codes' own decode), and once the residuals are in and applied it
 equals the `int8` action's cache bit for bit; the first logits are exact; the bytes of the two
 streams are the `int8` action's. Decoding past it (`handoff.progressive`) drafts on the anchor
-cache while the residuals are held back, verifies on the full cache, and emits exactly greedy
-decoding's tokens on the `int8` cache, including when a ruined anchor forces every draft to be
-rejected; a residual that fails its checks raises `ResidualsLost` before anything drafted is
-verified, the request aborted and nothing left on the link."""
+cache while the residuals are held back (what it hands the verification: greedy decoding's tokens
+on the anchor cache), verifies on the full cache, and emits exactly greedy decoding's tokens on
+the `int8` cache, including when a ruined anchor forces every draft to be rejected; a residual
+that fails its checks raises `ResidualsLost` before anything drafted is verified, the request
+aborted and nothing left on the link."""
 
 import threading
 
@@ -16,14 +17,16 @@ import torch
 
 from rekv_core.codecs import get_codec
 from rekv_core.codecs.lynx import anchor_kv, split_layer
+from rekv_core.handoff import progressive
 from rekv_core.handoff.progressive import continue_on_anchors
 from rekv_core.handoff import (Action, Delivery, HandoffPlan, Order, ReceiveMode, Receiving,
                                wire_bytes)
 from rekv_core.handoff.residuals import ResidualsLost
 from rekv_core.handoff.source import LivePrefill
 from rekv_core.handoff.transfer import Transfer, TransferState
-from rekv_core.model import prefill
+from rekv_core.model import KVCache, prefill
 from rekv_core.model.executor import decode_greedy, final_logits
+from rekv_core.model.speculation import draft
 from rekv_core.model.turns import Turn
 from tests.support.inprocess_handoff import MessageNames, run_handoff
 
@@ -169,6 +172,56 @@ def test_verified_drafts_are_greedy_decoding_on_the_int8_cache(smollm_fp32, ids,
                                                             model.shape.vocab_size).float(),
                          cache, NEW - len(emitted) + 1)
     assert emitted + rest[1:] == int8_reference
+
+
+class _PendingFull:
+    """Residuals still on the wire until waited for (never ready before): `apply` writes the full
+    `int8` layers over the anchor rows."""
+
+    def __init__(self, full):
+        self.full, self.applied = full, False
+
+    def ready(self):
+        return False
+
+    def wait(self):
+        pass
+
+    def apply(self, cache):
+        for layer, (k, v) in enumerate(self.full):
+            cache.write(layer, 0, k, v)
+        self.applied = True
+
+    def abandon(self, reason):
+        raise AssertionError(f"abandoned: {reason}")
+
+
+def test_the_drafts_are_greedy_decoding_on_the_anchor_cache(smollm_fp32, ids, monkeypatch):
+    """The drafts `continue_on_anchors` hands the verification are the k tokens greedy decoding
+    makes on the anchor-precision cache after the first token: the same decode steps on the same
+    cache, so bit for bit, on any machine."""
+    model = smollm_fp32
+    out = prefill(model, ids, boundaries=())
+    full = [_int8(model, k, v) for k, v in zip(out.keys, out.values)]
+    rough = [_anchor(model, k, v) for k, v in zip(out.keys, out.values)]
+
+    def anchor_cache():
+        return KVCache.from_layers([k for k, _ in rough], [v for _, v in rough], SEQ_LEN + NEW)
+
+    first = int(torch.argmax(out.logits))
+    want = draft(model, anchor_cache(), first, DRAFTS)
+    assert any(want)  # greedy decoding here is not token 0 throughout
+    verify, handed = progressive.verify, []
+
+    def recording(model, cache, token, drafts):
+        handed.append((token, list(drafts)))
+        return verify(model, cache, token, drafts)
+
+    monkeypatch.setattr(progressive, "verify", recording)
+    residuals = _PendingFull(full)
+    cont = continue_on_anchors(model, anchor_cache(), first, residuals, DRAFTS, _NoTurns())
+    assert handed == [(first, want)] and cont.drafted == DRAFTS and residuals.applied
+    assert cont.emitted[:cont.accepted] == want[:cont.accepted]
 
 
 def test_a_lost_residual_raises_before_anything_drafted_is_verified(smollm_fp32, ids):

@@ -1,5 +1,6 @@
 """Prefill-like work in turns (`rekv_core.model.turns`): whatever the allowances, the K, V and
-logits equal one unchunked run's, bit for bit on the CPU; and the pieces it cuts."""
+logits equal one unchunked run's, bit for bit on the CPU; the pieces it cuts; and the context each
+turn asks with (the keys its rows attend to on average, which the engine sizes the turn by)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from rekv_core.model import KVCache, prefill, run_layers
 from rekv_core.model.blocks import EXEC_BLOCK
+from rekv_core.model.executor import embed
 from rekv_core.model.layer import final_logits
 from rekv_core.model.turns import Turn, piece, prefill_in_turns, run_layers_in_turns
 from tests.support.engine_fakes import tiny_model
@@ -73,6 +75,43 @@ def test_prefill_in_turns_up_to_a_cut_writes_only_those_layers(model):
     assert torch.equal(h, whole.hidden[2])
     assert torch.equal(cache.layer(1, 300)[0], whole.keys[1])
     assert not cache.keys[2].any() and cache.length == 0
+
+
+class FixedTurns:
+    """Grants every turn the same allowance, recording (context, spent) of each."""
+
+    def __init__(self, allowance: int):
+        self.allowance, self.granted = allowance, []
+
+    @contextlib.contextmanager
+    def turn(self, context: int = 0):
+        turn = Turn(allowance=self.allowance)
+        yield turn
+        self.granted.append((context, turn.spent))
+
+
+def test_each_turn_asks_with_the_keys_its_rows_attend_to_on_average(model):
+    """A suffix of 2 blocks + 88 rows after a block of cached positions, one block through one
+    layer a turn: each turn's context is the position of its first row plus half its rows, the
+    rows before `pos` counted; the first turn of a run of rows, which has not chosen its rows yet,
+    counts all that are left. The tail then takes 3 layers in one turn, its last layer in
+    another."""
+    prefix, tail, block, L = EXEC_BLOCK, 88, EXEC_BLOCK, model.shape.num_layers
+    n = 2 * block + tail
+    ids = [i % model.shape.vocab_size for i in range(prefix + n)]
+    cache = _cache(model, prefix + n)
+    prefill_in_turns(model, ids[:prefix], cache)
+    turns = FixedTurns(allowance=block + tail // 2)  # one block, or the tail through 3 layers
+    h = embed(model, ids[prefix:])
+    run_layers_in_turns(model, h, 0, L, prefix, cache, turns)
+    tail_layers = (block + tail // 2) // tail
+    assert L == 4 and tail_layers == 3
+    assert turns.granted == [
+        (prefix + n // 2, block), *[(prefix + block // 2, block)] * (L - 1),
+        (prefix + block + (n - block) // 2, block),
+        *[(prefix + block + block // 2, block)] * (L - 1),
+        (prefix + 2 * block + tail // 2, tail * tail_layers),
+        (prefix + 2 * block + tail // 2, tail * (L - tail_layers))]
 
 
 def test_pieces_take_whole_blocks_of_rows_or_all_and_at_least_one_layer():

@@ -46,6 +46,21 @@ def test_gated_takes_a_lossy_action_the_policy_passed_where_it_is_cheaper():
     assert lossless.action.lossless and lossless.predicted_ms > gated.predicted_ms
 
 
+def test_gated_admits_the_lossy_actions_the_policy_passed_and_no_others():
+    """Each lossy codec at every cut up to its verdict's, Lynx's stream of a passed `int8` action
+    too; none beyond, none of a codec the policy failed, none outside its prompt lengths, and none
+    under `lossless`."""
+    planner = Planner(Policy("smollm2-135m", (1, 4096), {"int8": 12, "int4h": 30, "int4": 0}))
+    for codec, passed in (("int8", 12), ("int4h", 30), ("int4", 0), ("spectrum50", 0)):
+        for cut in range(1, 31):
+            action = Action(codec, cut, 30)
+            assert planner.allowed(action, 2048, Quality.GATED) == (cut <= passed), action
+            assert not planner.allowed(action, 2048, Quality.LOSSLESS), action
+    assert planner.allowed(Action("int8", 12, 30, progressive=True), 2048, Quality.GATED)
+    assert not planner.allowed(Action("int8", 12, 30), 4097, Quality.GATED)
+    assert not Planner(None).allowed(Action("int8", 12, 30), 2048, Quality.GATED)
+
+
 def test_lossless_allows_exactly_the_actions_that_reproduce_the_reference():
     lossy = [c for c in codec_names() if not get_codec(c).lossless]
     assert set(lossy) >= {"int8", "int4", "int4h", "spectrum30", "spectrum50"}
