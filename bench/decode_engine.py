@@ -10,7 +10,8 @@ Two service pairs run side by side for the whole run, one per decode path (`--de
 batched`, the engine; `per_request`, each request decoding alone on a thread of its own, as
 before the engine), each prefill service pinned to core 0 and each decode service to core 1 with
 one torch thread (`taskset`, with two cores or more), on loopback, the embedded model; the decode
-services' UCX thread at `--ucx-loop-nice` (0 unless told; with several values, comma-separated,
+services' UCX thread at `--ucx-loop-nice` (the services' own default, 19, unless told; with
+several values, comma-separated,
 the batched path runs once per value, to compare them: the data plane's share of a core the engine
 keeps busy against what its busy-polling takes from the streams). `--paths` leaves a path out.
 Only one
@@ -57,6 +58,7 @@ from rekv_cli.bench.provenance import SERVICES, provenance  # noqa: E402
 from rekv_cli.client import generate, generate_request  # noqa: E402
 from rekv_cli.launcher import ServicePair  # noqa: E402
 from rekv_cli.util import write_json  # noqa: E402
+from services.settings import DEFAULT_NICE  # noqa: E402
 from rekv_core.model.shapes import DEFAULT_MODEL, get_preset  # noqa: E402
 from services.rpc import rekv_pb2_grpc  # noqa: E402
 
@@ -301,10 +303,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--ucx-loop-nice", default="0",
+    parser.add_argument("--ucx-loop-nice", default=str(DEFAULT_NICE["decode"]),
                         help="the decode services' UCX nice, comma-separated: the batched path "
-                             "runs once per value (the services' default, 19, starves the data "
-                             "plane of a core the engine keeps busy)")
+                             "runs once per value (default: the services' own, "
+                             f"{DEFAULT_NICE['decode']}, which starves the data plane of a core "
+                             "the engine keeps busy)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"decode paths, comma-separated (default {','.join(PATHS)})")
     parser.add_argument("--quick", action="store_true", help=f"tiny: {QUICK}")

@@ -1,5 +1,6 @@
-"""Shared fixtures, and the `system` marker on every test under tests/system (so `-m "not system"`
-and `pytest tests/unit` select the same tests). Triton runs in interpreter mode on machines without
+"""Shared fixtures, the `system` marker on every test under tests/system (so `-m "not system"`
+and `pytest tests/unit` select the same tests) and the `numerics` marker on the files of NUMERICS
+(`make test-isa` runs them under each instruction set the CPU's kernels can be held to). Triton runs in interpreter mode on machines without
 CUDA; that must be decided before anything imports triton."""
 
 import atexit
@@ -27,13 +28,28 @@ from rekv_core.model.tokenizer import GGUFTokenizer  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 SYSTEM = Path(__file__).resolve().parent / "system"
+# The tests whose verdict rests on floating-point results of the real model's layers: exactness
+# where the code promises it, bounds and agreement with the same machine's reference elsewhere.
+# Which kernels torch and oneDNN pick (and so every BF16 rounding) changes with the CPU's
+# instruction set; these must pass under each (tests/README.md, `make test-isa`).
+NUMERICS = {f"tests/unit/{name}.py" for name in (
+    "model/test_executor_exactness", "model/test_executor_oracle", "model/test_static_decode",
+    "model/test_speculation", "engine/test_engine_reference", "plan/test_canary",
+    "plan/test_generations", "plan/test_gate_and_planner", "plan/test_quality",
+    "handoff/test_layer_split", "handoff/test_token_split_cache", "codecs/test_lynx_streams",
+)}
 
 
 def pytest_collection_modifyitems(items):
-    """Marks `system` every test whose file is under tests/system: the folder is the marker."""
+    """Marks `system` every test whose file is under tests/system (the folder is the marker) and
+    `numerics` every test of a NUMERICS file."""
+    root = SYSTEM.parents[1]
     for item in items:
-        if SYSTEM in Path(item.path).resolve().parents:
+        path = Path(item.path).resolve()
+        if SYSTEM in path.parents:
             item.add_marker(pytest.mark.system)
+        if path.relative_to(root).as_posix() in NUMERICS:
+            item.add_marker(pytest.mark.numerics)
 
 
 @pytest.fixture(scope="session")

@@ -102,9 +102,8 @@ def test_bench_ttft_command(tmp_path):
     assert point["seed_over_pipelined"] == pytest.approx(
         point["best"]["seed"]["median_ms"] / point["best"]["pipelined"]["median_ms"])
     assert next(r for r in rows if r["label"] == "pipelined int8/15")["prefill_ms"] > 0
-    partial = next(r for r in rows if r["label"] == "streamed int8/15")
-    full = next(r for r in rows if r["label"] == "seed int8/15")
-    assert partial["prefill_ms"] < full["prefill_ms"]  # 15 of 30 layers against all 30
+    # (how long the prefill takes, a partial one against a whole one, is the benchmark's figure,
+    # not a test's: unit/handoff's streamed tests check that the prefill stops at the cut)
 
 
 def _numbers(value):
