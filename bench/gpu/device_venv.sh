@@ -42,10 +42,12 @@ fi
 bash "$ROOT/bench/gpu/fetch_wheels.sh" "$WHEELS"  # downloads nothing when they are there
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-# What DEVICE_PACKAGES leaves unpinned takes the lock's version (less torch and triton, and the
-# packages pinned above to the device's).
+# What DEVICE_PACKAGES leaves unpinned takes the lock's version (less torch and triton, the
+# packages pinned above to the device's, huggingface-hub, which the device's transformers 5.17
+# needs below 2.0, and cuda-bindings: 12.x in the lock, ucxx-cu12's; 13.x on the device).
 python3 "$ROOT/tools/lock.py" constraints --torch "torch==2.13.0+device" \
-    --without transformers,tokenizers,safetensors,accelerate "$ROOT/requirements/cpu.lock" \
+    --without transformers,tokenizers,safetensors,accelerate,huggingface-hub,cuda-bindings \
+    "$ROOT/requirements/cpu.lock" \
     > "$VENV/constraints.txt"
 "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" --upgrade pip
 "$VENV/bin/python" -m pip install -q -c "$VENV/constraints.txt" "${DEVICE_PACKAGES[@]}"
