@@ -4,7 +4,7 @@
 #   make test-fast  tests/unit only: in-process, no services, namespaces or tools (tests/README.md)
 #   make lock       refresh the locks under requirements/ to the newest releases (see below)
 #   make mutate     mutation testing (mutmut, in .venv-mutate) of rekv_core/plan, handoff and engine
-#                   against their unit tests: hours, resumable, not in CI; writes its report to
+#                   against their unit tests: days on 2 cores, resumable, not in CI; report in
 #                   bench/results/mutation-rekv-core.{md,json} (tests/README.md, Mutation testing)
 # Every install takes its versions from the lock, requirements/cpu.lock (pip's -c): transitive
 # packages, pip and the build backend included. TORCH selects the PyTorch build: torch==2.13.0 is
@@ -20,7 +20,8 @@ LOCK = requirements/cpu.lock
 # The lock as the venv's constraints: whole for the lock's torch, less torch and triton for another.
 CONSTRAINTS = $(VENV)/constraints.txt
 
-.PHONY: demo test test-fast test-isa tools lock codecs bench-codecs bench-handoff proto image mutate mutation-report clean
+.PHONY: demo test test-fast test-isa tools lock codecs bench-codecs bench-handoff proto image \
+	mutate mutation-report clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -107,20 +108,25 @@ proto: $(VENV)/.test
 
 # Mutation testing ([tool.mutmut] in pyproject.toml): mutmut copies the project into mutants/,
 # mutates rekv_core/plan, handoff and engine there and runs their unit tests against each mutant.
-# Hours on 2 cores; a rerun resumes where the last one stopped (rm -rf mutants/ starts afresh).
+# Days on 2 cores; a rerun resumes where the last one stopped (rm -rf mutants/ starts afresh).
+# MUTANTS='rekv_core.plan.recent.*' (mutmut's names, globs) tests those alone, again if done before.
+# The embedded model's conversion is kept in mutants/ for every run and forked test process.
 # Its venv is .venv's recipe (the targets above, VENV and LOCK swapped) on requirements/mutate.lock,
 # plus mutmut. `make mutation-report` rewrites the report alone, keeping the hand-written verdicts
-# of bench/results/mutation-triage.json (tools/mutation_report.py).
+# of tools/mutation_triage.json (tools/mutation_report.py).
 MUTATE_VENV = .venv-mutate
 MUTATE_LOCK = requirements/mutate.lock
 $(MUTATE_VENV)/.mutate: $(MUTATE_LOCK) requirements/mutate.in pyproject.toml
 	$(MAKE) --no-print-directory VENV=$(MUTATE_VENV) LOCK=$(MUTATE_LOCK) $(MUTATE_VENV)/.test
-	$(MUTATE_VENV)/bin/python -m pip install -q -c $(MUTATE_VENV)/constraints.txt -r requirements/mutate.in
+	$(MUTATE_VENV)/bin/python -m pip install -q -c $(MUTATE_VENV)/constraints.txt \
+		-r requirements/mutate.in
 	touch $@
 
 mutate: $(MUTATE_VENV)/.mutate
-	OMP_NUM_THREADS=1 $(MUTATE_VENV)/bin/mutmut run
-	$(MAKE) --no-print-directory mutation-report
+	$(MUTATE_VENV)/bin/python tools/mutation_report.py begin
+	OMP_NUM_THREADS=1 REKV_MODEL_CACHE=$(CURDIR)/mutants/.model-cache \
+		$(MUTATE_VENV)/bin/mutmut run $(MUTANTS)
+	$(MUTATE_VENV)/bin/python tools/mutation_report.py
 
 mutation-report: $(MUTATE_VENV)/.mutate
 	$(MUTATE_VENV)/bin/python tools/mutation_report.py

@@ -15,7 +15,7 @@ The report (default bench/results/mutation-rekv-core.{md,json}) gives the machin
 whether the tree was clean (`rekv_cli.bench.provenance`), the runs that made the results, the
 command, counts per package and per module, and every mutant that no test killed (survived, no
 tests, suspicious, segfault), plus every one the triage names, with its file:line, its diff and
-its `verdict`, read from the triage file (default bench/results/mutation-triage.json, edited by
+its `verdict`, read from the triage file (default tools/mutation_triage.json, edited by
 hand and never written here): `{"verdicts": {mutant name: "killed by <test>" or "equivalent:
 <why>"}}`. A mutant without one is `untriaged`. A name is stable while its function's source is:
 mutmut numbers a function's mutants afresh only when the function changes, and then tests them
@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = Path("mutants")
 RUNS = MUTANTS / "rekv-runs.json"
 OUT = Path("bench/results/mutation-rekv-core")
-TRIAGE = Path("bench/results/mutation-triage.json")
+TRIAGE = Path("tools/mutation_triage.json")
 COMMAND = "make mutate (mutmut run, then python tools/mutation_report.py)"
 # What the results depend on: the mutated code and the tests run against it.
 MEASURES = ("rekv_core/plan", "rekv_core/handoff", "rekv_core/engine", "tests/unit/plan",
@@ -62,7 +62,7 @@ MEASURES = ("rekv_core/plan", "rekv_core/handoff", "rekv_core/engine", "tests/un
 STATUSES = ("killed", "survived", "timeout", "no tests", "skipped", "suspicious", "segfault",
             "caught by type check", "check was interrupted by user", "not checked")
 CAUGHT = ("killed", "timeout", "caught by type check")
-# Listed one by one: what no test killed (skipped is `# pragma: no mutate`, not checked not yet run).
+# Listed one by one: what no test killed (skipped: `# pragma: no mutate`; not checked: not yet run).
 LISTED = ("survived", "no tests", "suspicious", "segfault")
 VERDICT = re.compile(r"^(killed by \S.*|equivalent: \S.*)$")
 
@@ -95,7 +95,7 @@ def begin() -> None:
 
 
 def read_results() -> list[dict]:
-    """One record per mutant: name, source file, module, package, status, duration."""
+    """One record per mutant: name, source file, module, package and status."""
     records = []
     for path in walk_mutatable_files():
         data = SourceFileMutationData(path=path)
@@ -104,8 +104,7 @@ def read_results() -> list[dict]:
         for name, exit_code in data.exit_code_by_key.items():
             records.append({"name": name, "file": path.as_posix(), "module": module,
                             "package": "/".join(path.parts[:2]),
-                            "status": status_by_exit_code[exit_code],
-                            "seconds": data.durations_by_key.get(name)})
+                            "status": status_by_exit_code[exit_code]})
     return records
 
 
@@ -216,8 +215,7 @@ def report(records: list[dict], verdicts: dict[str, str]) -> dict:
                  "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "mutated": [p.as_posix() for p in cfg.source_paths],
                  "tests": cfg.pytest_add_cli_args_test_selection,
-                 "process_isolation": cfg.process_isolation.value,
-                 "tested_seconds": round(sum(r["seconds"] or 0 for r in records), 1)},
+                 "process_isolation": cfg.process_isolation.value},
         "runs": runs,
         "packages": counts(records, "package"),
         "modules": counts(records, "module"),
@@ -238,7 +236,7 @@ def markdown(data: dict) -> str:
         f"mutating {', '.join(f'`{p}`' for p in meta['mutated'])} against "
         f"{', '.join(f'`{t}`' for t in meta['tests'])}. Machine: {machine_['cpu']}, "
         f"{machine_['cores']} cores, {machine_['memory_gib']} GiB, Python {machine_['python']}, "
-        f"torch {machine_['torch']}. The mutants' tests ran {meta['tested_seconds']} s in all.", "",
+        f"torch {machine_['torch']}.", "",
         "Runs that made these results (each resumes the last: a result stands until its "
         "function's source changes):", "",
         *[f"- {run['started']}: commit {run['commit']}, "
@@ -248,10 +246,11 @@ def markdown(data: dict) -> str:
         "## Per module", "", *_table(data["modules"], "module"), "",
         "## Not killed, and triaged", "",
         "Every mutant no test killed (survived, no tests, suspicious, segfault) and every one "
-        "`bench/results/mutation-triage.json` names; `verdict` comes from that file.", "",
+        "`tools/mutation_triage.json` names; `verdict` comes from that file.", "",
         "| mutant | where | status | verdict |", "| --- | --- | --- | --- |",
-        *[f"| `{r['name']}` | `{r['file']}:{r['line']}` | {r['status']} | {r['verdict']}"
-          f"{' (' + r['note'] + ')' if r['note'] else ''} |" for r in data["listed"]], "",
+        *[f"| `{r['name']}` | `{r['file']}:{r['line']}` | {r['status']} | "
+          f"{_cell(r['verdict'])}{' (' + r['note'] + ')' if r['note'] else ''} |"
+          for r in data["listed"]], "",
     ]
     for row in data["listed"]:
         out += [f"### `{row['name']}`", "", f"`{row['file']}:{row['line']}`, {row['status']}, "
@@ -260,6 +259,10 @@ def markdown(data: dict) -> str:
         out += ["## Triage of mutants mutmut no longer has", "",
                 *[f"- `{name}`" for name in data["triage_of_unknown_mutants"]], ""]
     return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def _table(groups: dict[str, dict], key: str) -> list[str]:
@@ -282,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triage", type=Path, default=TRIAGE)
     args = parser.parse_args(argv)
     os.chdir(ROOT)
+    os.environ.setdefault("GIT_OPTIONAL_LOCKS", "0")  # git status reads, never refreshes the index
     if args.step == "begin":
         begin()
         return 0
@@ -291,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = report(records, read_triage(args.triage))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(data))
+    Path(f"{args.out}.json").write_text(json.dumps(data, indent=1, ensure_ascii=False) + "\n",
+                                       encoding="utf-8")
+    Path(f"{args.out}.md").write_text(markdown(data), encoding="utf-8")
     total = data["packages"]["all"]
     print(f"{args.out}.md, .json: {total['total']} mutants, {total['killed']} killed, "
           f"{total['survived']} survived, {total['not checked']} not checked; "
