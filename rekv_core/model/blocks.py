@@ -7,6 +7,13 @@ mask). A run over rows [pos, pos + n) with pos a multiple of the block therefore
 kernels that one run over all rows issues for those rows, whatever a BLAS library or an attention
 kernel does with the number of rows it is given. `chunk_bounds` cuts a prompt into such chunks.
 `attend` is the plain attention call (GQA, an optional mask) the executor's other paths use.
+
+BF16 on a CPU without native BF16 arithmetic (no AVX-512 BF16 or AMX: AVX2-only x86, for one)
+goes through emulated kernels about 6x slower than float32: there a block of at least
+`BF16_VIA_FLOAT32_MIN_ROWS` rows is multiplied in float32 (the weight widened for the call) and
+rounded to BF16 once, as a native BF16 GEMM accumulates in float32 and rounds its output. Which
+kernel a block takes depends only on the block's row count and the CPU, so the guarantee above
+holds; a decode step (one row) keeps the native kernel, which is faster at that size.
 """
 
 from __future__ import annotations
@@ -15,14 +22,40 @@ import torch
 import torch.nn.functional as F
 
 EXEC_BLOCK = 256  # positions per kernel call (rows of a linear layer, queries of attention)
+# below this many rows, widening the weight costs more than the emulated BF16 GEMM saves
+# (AMD EPYC Zen 3, AVX2: break-even at 4-8 rows for SmolLM2's projections)
+BF16_VIA_FLOAT32_MIN_ROWS = 8
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies BF16 in hardware (AVX-512 BF16 or AMX tiles); True off x86,
+    where no such check exists here and BF16 goes to the native kernels as before."""
+    cpu = torch.cpu
+    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
+                                                     "_is_amx_tile_supported")]
+    if any(check is None for check in checks) or not cpu._is_avx2_supported():
+        return True
+    return any(check() for check in checks)
+
+
+BF16_VIA_FLOAT32 = not cpu_has_native_bf16()
+
+
+def _linear_block(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                  ) -> torch.Tensor:
+    if (BF16_VIA_FLOAT32 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.shape[0] >= BF16_VIA_FLOAT32_MIN_ROWS):
+        wide_bias = None if bias is None else bias.float()
+        return F.linear(x.float(), weight.float(), wide_bias).to(torch.bfloat16)
+    return F.linear(x, weight, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
             ) -> torch.Tensor:
     """`F.linear` over blocks of `EXEC_BLOCK` rows of x `[n, k]`."""
     if x.shape[0] <= EXEC_BLOCK:
-        return F.linear(x, weight, bias)
-    return torch.cat([F.linear(x[i:i + EXEC_BLOCK], weight, bias)
+        return _linear_block(x, weight, bias)
+    return torch.cat([_linear_block(x[i:i + EXEC_BLOCK], weight, bias)
                       for i in range(0, x.shape[0], EXEC_BLOCK)])
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action, ActionKind, Order
 from rekv_core.model import KVCache, decode_step, extend, prefill
 from rekv_core.model.shapes import get_preset
@@ -17,6 +18,7 @@ from rekv_core.plan.evidence import Evidence, Measured
 from rekv_core.plan.planner import Planner, expected_ms
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.recent import RecentHandoffs
+from services.prefill.faults import CoarseCodec
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
         "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
@@ -47,22 +49,28 @@ def test_reconstructed_cache_quantizes_only_the_prefix(smollm_bf16, tokenizer):
 
 
 def test_gate_passes_int8_and_names_what_fails(smollm_bf16, tokenizer):
+    """int8 keeps the output; K and V at five levels through all 30 layers (`CoarseCodec`: a
+    failure on every CPU, where a real codec's verdict rests on this CPU's BF16 roundings) does
+    not, and says why; int4's verdict is whatever its own measures make it."""
     ids = tokenizer.encode(TEXT)
     config = GateConfig(prompt_len=48, prompts=3, continuation=24, needle_depths=(0.5,))
-    policy = run_gate(smollm_bf16, tokenizer, ids, [("int8", 15), ("int8", 30), ("int4", 30)],
-                      config)
+    actions = [("int8", 15), ("int8", 30), ("int4", 30), ("coarse", 30)]
+    policy = run_gate(smollm_bf16, tokenizer, ids, actions, config,
+                      codec_for=lambda name: (CoarseCodec(get_codec("int8")) if name == "coarse"
+                                              else get_codec(name)))
     verdicts = {(v["codec"], v["cut"]): v for v in policy.verdicts}
-    assert set(verdicts) == {("int8", 15), ("int8", 30), ("int4", 30)}
+    assert set(verdicts) == set(actions)
     for v in verdicts.values():
         assert 0 <= v["next_token_top1_agreement"] <= 1 and v["next_token_kl"] >= 0
         assert v["eligible"] == (not v["reasons"])
-    assert verdicts["int8", 15]["perplexity_rise"] < verdicts["int4", 30]["perplexity_rise"]
-    assert verdicts["int4", 30]["continuation_kl"] > verdicts["int8", 30]["continuation_kl"]
-    # int8 keeps the output at every cut; int4 through all 30 layers does not, and says why
+    broken = verdicts["coarse", 30]
+    assert verdicts["int8", 15]["perplexity_rise"] < broken["perplexity_rise"]
+    assert broken["continuation_kl"] > verdicts["int8", 30]["continuation_kl"]
     assert verdicts["int8", 15]["eligible"] and verdicts["int8", 30]["eligible"]
-    assert not verdicts["int4", 30]["eligible"]
-    assert any("perplexity" in reason for reason in verdicts["int4", 30]["reasons"])
-    assert policy.max_cut == {"int8": 30, "int4": 0}
+    assert not broken["eligible"]
+    assert any("perplexity" in reason for reason in broken["reasons"])
+    int4_cut = 30 if verdicts["int4", 30]["eligible"] else 0
+    assert policy.max_cut == {"int8": 30, "int4": int4_cut, "coarse": 0}
     assert policy.meta.prompts == 3 and len(policy.meta.bf16_needles) == 1
 
 
