@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 EXEC_BLOCK = 256  # positions per kernel call (rows of a linear layer, queries of attention)
-# below this many rows, widening the weight costs more than the emulated BF16 GEMM saves
-# (AMD EPYC Zen 3, AVX2: break-even at 4-8 rows for SmolLM2's projections)
-BF16_VIA_FLOAT32_MIN_ROWS = 8
+# below this many rows, widening the weight costs more than the emulated BF16 GEMM saves (AMD
+# EPYC Zen 3, AVX2: break-even at 4-8 rows for SmolLM2's projections, but near 32 for an LM head
+# of 50-150K rows, whose float32 copy is fresh memory each call)
+BF16_VIA_FLOAT32_MIN_ROWS = 32
 
 
 def cpu_has_native_bf16() -> bool:

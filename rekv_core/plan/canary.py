@@ -131,7 +131,11 @@ def agreement_threshold(policy: Policy | None, action: Action) -> float:
 
 
 def upper_bound(agreeing: int, positions: int, z: float = CONFIDENCE_Z) -> float:
-    """Wilson score upper bound of an agreement rate seen as `agreeing` of `positions`."""
+    """Wilson score upper bound of an agreement rate seen as `agreeing` of `positions`: exactly
+    1 when every position agreed (the formula's float rounding lands just under 1 for some
+    counts, which a threshold of 1 would read as a drop)."""
+    if agreeing == positions:
+        return 1.0
     p, z2 = agreeing / positions, z * z
     centre = p + z2 / (2 * positions)
     spread = z * math.sqrt(p * (1 - p) / positions + z2 / (4 * positions * positions))

@@ -63,3 +63,13 @@ def test_bad_actions_are_named():
         Action("fp8", 3, L)
     with pytest.raises(ValueError, match="action: built for 30 layers"):
         wire_bytes(Action("int8", 3, 30), QWEN7B, 16)
+
+
+def test_an_action_reads_as_its_kind_codec_and_cut_with_only_the_options_it_uses():
+    assert str(Action("int8", 15, L)) == "joint(codec=int8, cut=15/28)"
+    assert str(Action("int8", 15, L, boundary="splitzip")) == \
+        "joint(codec=int8, cut=15/28, boundary=splitzip)"
+    assert str(Action("int8", 15, L, split=512)) == "token_split(codec=int8, cut=15/28, split=512)"
+    assert str(Action("int8", 15, L, progressive=True)) == "joint(codec=int8, cut=15/28, lynx)"
+    assert str(Action("bf16", L, L, layer_split=256)) == \
+        "bf16_transfer(codec=bf16, cut=28/28, layer_split=256)"

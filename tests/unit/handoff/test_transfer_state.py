@@ -4,10 +4,12 @@ posted, a pool replaces a sender whose peer is gone."""
 
 import threading
 import time
+import types
 
 import pytest
 
 from rekv_core.handoff import Action, receive_handoff, send_handoff
+from rekv_core.handoff import transfer as transfer_module
 from rekv_core.handoff.transfer import (Transfer, TransferBook, TransferCancelled, TransferState,
                                         allowed_s)
 from rekv_core.model import prefill
@@ -186,3 +188,33 @@ def test_the_book_remembers_which_transfers_ended_and_when():
     third.advance(TransferState.DONE)
     assert book.left_since(before) == ["failed", "third"]  # the last `remember` of them
     assert [t.transfer_id for t in book.live()] == ["live"]
+
+
+def test_a_hold_without_a_cancel_ends_after_its_time():
+    """Not cancelled, a hold still returns once its time is up: it never waits unbounded."""
+    transfer = Transfer("t")
+    held = threading.Thread(target=transfer.hold, args=(0.01,), daemon=True)
+    held.start()
+    try:
+        held.join(30.0)  # a hold still going after this long is a hang, not slowness
+        assert not held.is_alive()
+    finally:
+        transfer.cancel()  # frees a hold that did hang
+
+
+def test_a_prediction_sets_the_deadline_of_a_transfer_that_had_none():
+    transfer = Transfer("open", stall_s=60.0)
+    before = time.monotonic()
+    transfer.expect_within(5.0)
+    assert transfer.deadline is not None and before + 5.0 <= transfer.deadline
+    assert transfer.wait_s() <= 5.0
+
+
+def test_a_transfer_that_ended_at_the_very_instant_asked_about_is_counted(monkeypatch):
+    """`left_since(t)` names the transfers that ended at t or later: one that ended at t itself
+    (a coarse monotonic clock reads the same twice) is among them."""
+    monkeypatch.setattr(transfer_module, "time", types.SimpleNamespace(monotonic=lambda: 50.0))
+    book = TransferBook()
+    Transfer("same-instant", book=book).advance(TransferState.DONE)
+    assert book.left_since(50.0) == ["same-instant"]
+    assert book.left_since(50.5) == []

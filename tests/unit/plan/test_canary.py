@@ -6,9 +6,10 @@ import torch
 from rekv_core.eval.needle import passkey_prompt
 from rekv_core.handoff import Action
 from rekv_core.model import KVCache, prefill
-from rekv_core.plan.canary import (GATE_TOP1_AGREEMENT, AgreementWindow, CanaryJudge,
-                                   CanaryResult, agreement_threshold, canary_steps, upper_bound)
-from rekv_core.plan.policy import shipped_policy
+from rekv_core.plan.canary import (CONFIDENCE_Z, GATE_FIGURE, GATE_TOP1_AGREEMENT,
+                                   AgreementWindow, CanaryJudge, CanaryResult,
+                                   agreement_threshold, canary_steps, upper_bound)
+from rekv_core.plan.policy import Policy, shipped_policy
 from services.prefill.faults import coarsened
 
 PROMPT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
@@ -115,6 +116,31 @@ def test_a_rare_disagreement_at_the_gates_rate_is_not_a_drop():
     assert upper_bound(5, 5) == pytest.approx(1.0) and upper_bound(0, 5) < 0.5
 
 
+def test_the_bound_is_wilsons_and_never_above_one():
+    z2 = CONFIDENCE_Z * CONFIDENCE_Z
+    # none of n agreeing: Wilson's upper bound is z^2 / (n + z^2)
+    assert upper_bound(0, 5) == pytest.approx(z2 / (5 + z2), rel=1e-12)
+    assert upper_bound(0, 200) == pytest.approx(z2 / (200 + z2), rel=1e-12)
+    # all agreeing: exactly 1, whatever the float rounding (the formula gives 1 - 2^-53 at n = 5)
+    assert all(upper_bound(n, n) == 1.0 for n in range(1, 400))
+
+
+def test_a_window_of_exact_checks_is_never_a_drop_whatever_their_positions():
+    """At threshold 1.0 every count of agreeing positions holds, not only the ones whose bound
+    happens to round to 1 (5 of 5 did not)."""
+    for positions in range(1, 60):
+        window = AgreementWindow(1, threshold=GATE_TOP1_AGREEMENT)
+        assert window.add(_check(positions, positions)) is None, positions
+
+
+def test_a_window_that_agrees_everywhere_is_not_a_drop_at_the_gates_criterion():
+    # threshold 1.0 (a lossless verdict, or no policy): a full window of exact checks, here 20
+    # positions, whose upper bound is 1.0, holds
+    window = AgreementWindow(2, threshold=GATE_TOP1_AGREEMENT)
+    assert window.add(_check(10)) is None and window.add(_check(10)) is None
+    assert window.add(_check(9)) is not None  # one disagreement is
+
+
 def test_the_threshold_is_what_the_gate_measured():
     policy = shipped_policy("smollm2-135m")
     layers = 30
@@ -125,6 +151,15 @@ def test_the_threshold_is_what_the_gate_measured():
     assert agreement_threshold(None, Action("int4", 6, layers)) == GATE_TOP1_AGREEMENT == 1.0
 
 
+def test_a_verdict_without_a_cut_sets_no_threshold():
+    # an older writer's verdict that names no cut vouches for no cut: the gate's criterion holds
+    policy = Policy("smollm2-135m", (1, 2048), {"int4": 30},
+                    verdicts=[{"codec": "int4", GATE_FIGURE: 0.5},
+                              {"codec": "int4", "cut": 12, GATE_FIGURE: 0.9}])
+    assert agreement_threshold(policy, Action("int4", 1, 30)) == 0.9
+    assert agreement_threshold(policy, Action("int4", 18, 30)) == GATE_TOP1_AGREEMENT
+
+
 def test_the_judge_keeps_a_window_per_action_under_the_models_policy(tmp_path):
     judge = CanaryJudge.for_model("smollm2-135m", "", window=1)
     int4, int8 = Action("int4", 6, 30), Action("int8", 6, 30)
@@ -133,8 +168,13 @@ def test_the_judge_keeps_a_window_per_action_under_the_models_policy(tmp_path):
     assert change is None  # 0.99 is within what the gate measured for int4 at cut 6
     window, change = judge.add(int8, CanaryResult(True, 50, 100, 0.5))
     assert change is not None and change.below
+    assert window.threshold == agreement_threshold(judge.policy, int8)  # its own window
+    assert agreement_threshold(judge.policy, int8) != agreement_threshold(judge.policy, int4)
+    assert judge.add(int4, CanaryResult(True, 100, 100, 0.0))[0] is not window
     other = shipped_policy("smollm2-135m")
     other.model = "qwen2.5-7b"
     other.save(tmp_path / "policy.json")
     with pytest.raises(ValueError, match="policy: written for qwen2.5-7b"):
         CanaryJudge.for_model("smollm2-135m", str(tmp_path / "policy.json"), window=1)
+    with pytest.raises(ValueError, match=r"window: must be >= 1, got 0"):
+        CanaryJudge(None, window=0)

@@ -1,6 +1,9 @@
 """The decode worker's load book (`rekv_core.plan.decode_load`, `sharing`), without a server: who
-counts as computing, the compute committed by planned handoffs less what they have run, the local
-recompute's share, the receives that overlapped, and how many requests shared a suffix's time."""
+counts as computing, the compute committed by planned handoffs less what they have run (each at its
+own prompt length, its run time shared with the others computing, never below nothing, all taken
+at one instant), the local recompute's share, the names an offer carries (at most
+`MAX_PLANNED_TRANSFERS`, the latest ended in the room left), the receives that overlapped, and how
+many requests shared a suffix's time."""
 
 from types import SimpleNamespace
 
@@ -175,3 +178,95 @@ def test_a_partial_recompute_commits_only_its_layers(clock):
         with load.recomputing(100):
             assert load.backlog(gamma, 30).ms == pytest.approx(12 * 10.0 + 30 * 10.0)
     assert load.backlog(gamma, 30).ms == 0.0
+
+
+def prompt_gamma(prompt_len, sharers):  # ms per layer: 10 ms at 512 tokens, alone
+    return 10.0 * sharers * prompt_len / 512
+
+
+def test_each_commitment_is_priced_at_its_own_prompt_length(clock):
+    load = DecodeLoad(TransferBook())
+    load.work(Transfer("long", book=load.transfers)).planned(10, 1024)
+    with load.recomputing(256, layers=4):
+        assert load.backlog(prompt_gamma, 30).ms == pytest.approx(10 * 20.0 + 4 * 5.0)
+
+
+def test_concurrent_recomputes_share_the_time_they_have_run(clock):
+    """Two local recomputes run side by side: 100 ms of wall time is 50 ms of each one's."""
+    load = DecodeLoad(TransferBook())
+    with load.recomputing(512, layers=10), load.recomputing(512, layers=20):
+        clock.now += 0.1
+        assert load.backlog(gamma, 30).ms == pytest.approx((100.0 - 50.0) + (200.0 - 50.0))
+
+
+def test_a_handoff_shares_its_time_with_the_others_computing(clock):
+    load = DecodeLoad(TransferBook())
+    running = load.work(Transfer("running", book=load.transfers))
+    running.planned(30, 512)
+    running.transfer.advance(TransferState.PREFIX)
+    other = Transfer("other", book=load.transfers)  # another handoff's suffix runs too
+    other.advance(TransferState.PREFIX)
+    running.computing(True)
+    clock.now += 0.1  # 100 ms of wall time, half of it this handoff's
+    assert load.backlog(gamma, 30).ms == pytest.approx(300.0 - 50.0)
+
+
+def test_compute_past_its_prediction_leaves_nothing_committed(clock):
+    load = DecodeLoad(TransferBook())
+    running = load.work(Transfer("running", book=load.transfers))
+    running.planned(2, 512)
+    running.transfer.advance(TransferState.PREFIX)
+    running.computing(True)
+    clock.now += 1.0  # 1 s run of a 20 ms prediction
+    assert load.backlog(gamma, 30).ms == 0.0
+    running.computing(False)
+    running.transfer.advance(TransferState.DONE)
+    with load.recomputing(512, layers=3):
+        clock.now += 1.0  # 1 s run of a 30 ms prediction
+        assert load.backlog(gamma, 30).ms == 0.0
+
+
+def test_the_backlog_is_one_instants(clock, monkeypatch):
+    """Every work's compute counts up to the instant the backlog was taken, however long the
+    backlog takes to add it up."""
+    load = DecodeLoad(TransferBook())
+    running = load.work(Transfer("running", book=load.transfers))
+    running.planned(30, 512)
+    running.transfer.advance(TransferState.PREFIX)
+    running.computing(True)  # at 100.0
+    reads = iter([100.1, 100.2, 100.3, 100.4])  # the clock moves on at each later look
+    monkeypatch.setattr(decode_load, "time", SimpleNamespace(monotonic=lambda: next(reads)))
+    assert load.backlog(gamma, 30).ms == pytest.approx(300.0 - 100.0)
+
+
+def test_a_work_reports_its_compute_at_the_instant_asked(clock):
+    load = DecodeLoad(TransferBook())
+    work = load.work(Transfer("running", book=load.transfers))
+    work.computing(True)
+    assert work.computed_s(now=clock.now + 0.25) == pytest.approx(0.25)
+    work.computing(True)  # still running: its start stays
+    clock.now += 0.5
+    assert work.computed_s() == pytest.approx(0.5)
+
+
+def test_a_work_that_stops_before_it_started_has_computed_nothing(clock):
+    load = DecodeLoad(TransferBook())
+    work = load.work(Transfer("waiting", book=load.transfers))
+    work.computing(False)
+    clock.now += 1.0
+    assert work.computed_s() == 0.0
+
+
+def test_an_offer_names_at_most_max_planned_transfers_the_latest_ended_in_the_room_left(clock):
+    room = decode_load.MAX_PLANNED_TRANSFERS
+    load = DecodeLoad(TransferBook())
+    for i in range(5):
+        Transfer(f"ended-{i}", book=load.transfers).advance(TransferState.DONE)
+    for i in range(room - 2):
+        load.work(Transfer(f"planned-{i}", book=load.transfers)).planned(1, 512)
+    names = load.backlog(gamma, 30).planned
+    assert len(names) == room and names[-2:] == ("ended-3", "ended-4")
+    for i in range(room - 2, room):
+        load.work(Transfer(f"planned-{i}", book=load.transfers)).planned(1, 512)
+    names = load.backlog(gamma, 30).planned
+    assert len(names) == room and not any(n.startswith("ended") for n in names)

@@ -75,6 +75,18 @@ def test_the_floor_fails_an_early_divergence_or_too_few_exact_continuations():
     assert len(floor.reasons(drifting)) == 1 and "50%" in floor.reasons(drifting)[0]
 
 
+def test_a_search_goes_on_while_the_floor_can_still_be_met_exactly_at_its_limits():
+    floor = GenerationFloor()
+    # every prompt so far matched whole: nothing is missed yet
+    assert not floor.decided(GenerationScore(("code", "chat"), (48, 48), 48), prompts=4)
+    # a divergence at token 16 is not early: only one before it is
+    assert not floor.decided(GenerationScore(("code",), (16,), 48), prompts=10)
+    assert floor.decided(GenerationScore(("code",), (15,), 48), prompts=10)
+    # one miss of 4 still leaves exactly the 3/4 the floor asks for; two do not
+    assert not floor.decided(GenerationScore(("code",), (30,), 48), prompts=4)
+    assert floor.decided(GenerationScore(("code", "chat"), (30, 20), 48), prompts=4)
+
+
 def test_bisection_finds_the_largest_passing_cut_and_checks_below_it():
     calls = []
 
@@ -140,5 +152,11 @@ def test_runs_on_different_codecs_combine_into_one_policy():
     assert combined.max_cut == {"int8": 4, "int4h": 9, "splitzip": 30}
     assert not any(v["eligible"] for v in combined.verdicts)
     assert set(combined.meta.generation["codecs"]) == {"int8", "int4h"}
-    with pytest.raises(ValueError, match="more than one judged"):
-        combine_regates(base, [run("int8", 4), run("int8", 5)])
+    # one record: every codec judged, and each run's settings without its codecs
+    assert combined.meta.generation == {"tokens": 48,
+                                        "codecs": {"int8": {"max_cut": 4}, "int4h": {"max_cut": 9}},
+                                        "runs": [{"tokens": 48}, {"tokens": 48}]}
+    assert (combined.model, combined.prompt_len_range, combined.epsilon) == (
+        base.model, base.prompt_len_range, base.epsilon)
+    with pytest.raises(ValueError, match=r"more than one judged \['int8'\]$"):
+        combine_regates(base, [run("int8", 4), run("int4h", 9), run("int8", 5)])

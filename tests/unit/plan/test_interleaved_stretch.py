@@ -21,3 +21,8 @@ def test_a_step_at_or_past_the_budget_is_capped():
     assert interleaved_stretch(32, 150.0, 150.0) == MAX_STRETCH
     assert interleaved_stretch(32, 150.0, 400.0) == MAX_STRETCH
     assert interleaved_stretch(32, 150.0, 140.0) == MAX_STRETCH  # 15 > 10: capped as well
+
+
+def test_a_sub_millisecond_budget_still_stretches():
+    """Any positive budget gives turns: a 0.5 ms budget beside a 0.1 ms step stretches by 1.25."""
+    assert interleaved_stretch(2, 0.5, 0.1) == pytest.approx(1.25)

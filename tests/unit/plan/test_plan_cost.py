@@ -1,4 +1,4 @@
-"""The cost model and the estimates that feed it."""
+"""The cost model and the estimates that feed it (the link, the layer cost, the EWMA)."""
 
 import dataclasses
 
@@ -9,7 +9,7 @@ from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs, choose, predict
 from rekv_core.plan.calibration import codec_costs
-from rekv_core.plan.estimates import LayerCost, LinkEstimate
+from rekv_core.plan.estimates import Ewma, LayerCost, LinkEstimate
 
 SHAPE = get_preset("smollm2-135m")
 L = SHAPE.num_layers
@@ -64,6 +64,15 @@ def test_link_estimate_moves_with_observed_transfers():
     assert link.gbps == pytest.approx(1.5)
     link.observe(125_000_000, 1.0)
     assert link.gbps == pytest.approx(1.0)
+
+
+def test_an_ewma_takes_its_first_sample_whole_then_weighs_each_in():
+    ewma = Ewma(1.0, weight=0.25)
+    assert ewma.value == 1.0 and ewma.samples == 0  # the prior, until something is seen
+    assert ewma.update(8.0) == 8.0  # the first sample replaces the prior
+    assert ewma.update(4.0) == pytest.approx(0.25 * 4.0 + 0.75 * 8.0)
+    assert ewma.update(2.0) == pytest.approx(0.25 * 2.0 + 0.75 * 7.0)
+    assert ewma.value == pytest.approx(5.75) and ewma.samples == 3
 
 
 def test_layer_cost_interpolates_and_grows_beyond_the_profile():
