@@ -1,6 +1,10 @@
 """What each worker learns from its handoffs (`rekv_core.plan.calibration`), without a server."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from rekv_core.handoff import Action, ActionKind, HandoffTimings, WireBytes, wire_bytes
 from rekv_core.model import get_preset
@@ -176,3 +180,211 @@ def test_a_codec_the_profile_lacks_is_measured_not_taken_as_free(smollm_fp32, tm
     assert decode.layer_cost.at(256) == 2.5
     prefill = PrefillCalibration.for_model(smollm_fp32, ("int8", "int4"), str(path), 10.0)
     assert prefill.quantize_ms_per_mib["int8"] == 0.4 and prefill.quantize_ms_per_mib["int4"] > 0
+
+
+def _linked(gbps: float = 1.0) -> DecodeCalibration:
+    """A decode side past its cold first handoff, its link measured at `gbps`."""
+    calibration = _decode()
+    nbytes = 4 * LINK_SAMPLE_BYTES
+    calibration.observe(_seen(Action("int8", 20, L), x_s=0.11, r_s=0.1,
+                              sample=(nbytes, nbytes * 8 / (gbps * 1e9))))
+    assert calibration.link_gbps == pytest.approx(gbps) and calibration.message_ms.samples == 0
+    return calibration
+
+
+def _prefix_ms(action: Action, gbps: float, restore_ms_per_mib: float) -> float:
+    """What the bytes on the wire and the restore explain of a prefix's time."""
+    wire = wire_bytes(action, SHAPE, S)
+    return ((wire.prefix + wire.scales) * 8 / (gbps * 1e9) * 1e3
+            + restore_ms_per_mib * action.cut * SHAPE.kv_layer_bytes(S) / MiB)
+
+
+def test_a_prefix_that_ends_with_the_suffix_teaches_no_message_cost():
+    """Held back while the suffix ran (X within 1.2x of R, the bound included), a prefix's X
+    says how long the suffix took; a suffix of well under a second is no exception."""
+    from rekv_core.plan.calibration import PREFIX_HELD_BACK_RATIO
+
+    calibration = _linked()
+    joint = Action("int8", 20, L)
+    calibration.observe(_seen(joint, x_s=0.11, r_s=0.1))
+    calibration.observe(_seen(joint, x_s=PREFIX_HELD_BACK_RATIO * 0.5, r_s=0.5))
+    assert calibration.message_ms.samples == 0
+    x_ms = _prefix_ms(joint, 1.0, 1.0) + 20 * 0.5
+    calibration.observe(_seen(joint, x_s=x_ms / 1e3, r_s=0.01))
+    assert calibration.message_ms.samples == 1
+
+
+def test_the_message_cost_is_what_the_bytes_and_the_restore_leave_per_message():
+    """Below a millisecond too, and to the bit the link rate gives: over a slow link the bytes
+    are most of X, and m is the small remainder."""
+    calibration = _linked(gbps=0.01)
+    joint = Action("int8", 20, L)
+    x_ms = _prefix_ms(joint, 0.01, 1.0) + 20 * 0.5  # 0.5 ms a message
+    calibration.observe(_seen(joint, x_s=x_ms / 1e3, r_s=0.01))
+    assert calibration.offer(S, 1).message_ms == pytest.approx(0.5, rel=1e-9)
+
+
+def test_a_prefix_faster_than_its_bytes_teaches_a_free_message():
+    calibration = _linked()
+    joint = Action("int8", 20, L)
+    x_ms = _prefix_ms(joint, 1.0, 1.0) - 20 * 0.5  # measured under what the model says
+    calibration.observe(_seen(joint, x_s=x_ms / 1e3, r_s=0.01))
+    assert calibration.message_ms.samples == 1 and calibration.offer(S, 1).message_ms == 0.0
+
+
+def test_a_codec_without_a_restore_figure_restores_for_free_in_the_message_cost():
+    calibration = _linked()  # restore figures: int8 only
+    plain = Action("bf16", 20, L)
+    x_ms = _prefix_ms(plain, 1.0, 0.0) + 20 * 1.5
+    calibration.observe(_seen(plain, x_s=x_ms / 1e3, r_s=0.01))
+    assert calibration.offer(S, 1).message_ms == pytest.approx(1.5)
+
+
+def test_a_one_layer_prefix_teaches_the_message_cost():
+    calibration = _linked()
+    one = Action("int8", 1, L)
+    x_ms = _prefix_ms(one, 1.0, 1.0) + 1.5
+    calibration.observe(_seen(one, x_s=x_ms / 1e3, r_s=0.001))
+    assert calibration.offer(S, 1).message_ms == pytest.approx(1.5)
+
+
+def test_streamed_handoffs_and_an_unmeasured_link_teach_no_message_cost():
+    """A streamed prefix came before the boundary, so its X is not the messages' time; without
+    a measured link the bytes' share of X is unknown."""
+    joint = Action("int8", 20, L)
+    x_ms = _prefix_ms(joint, 1.0, 1.0) + 20 * 1.5
+    calibration = _linked()
+    streamed = dataclasses.replace(_seen(joint, x_s=x_ms / 1e3, r_s=0.01), streamed=True)
+    calibration.observe(streamed)
+    assert calibration.message_ms.samples == 0
+    unlinked = _decode()
+    for _ in range(2):  # the first is cold
+        unlinked.observe(_seen(joint, x_s=x_ms / 1e3, r_s=0.01))
+    assert unlinked.link.samples == 0 and unlinked.message_ms.samples == 0
+
+
+def test_the_suffix_scale_is_per_request_sharing_the_worker():
+    """A suffix that ran beside another request (load 2) took twice its own compute: the
+    worker's speed is what the profile says."""
+    calibration = _decode()
+    joint = Action("int8", 20, L)  # 10 layers of suffix, 10 ms each alone
+    for _ in range(2):
+        calibration.observe(_seen(joint, r_s=0.2, load=2))
+    assert calibration.offer(S, 1).suffix_scale == pytest.approx(1.0)
+
+
+def test_a_suffix_scale_is_learned_from_sub_millisecond_suffixes_and_not_from_a_free_profile():
+    fast = DecodeCalibration(SHAPE, LayerCost([S], [0.01]), {"int8": 1.0})
+    joint = Action("int8", 20, L)  # 10 layers at 0.01 ms: 0.1 ms expected
+    for _ in range(2):
+        fast.observe(_seen(joint, r_s=0.0003))
+    assert fast.offer(S, 1).suffix_scale == pytest.approx(3.0)
+    free = DecodeCalibration(SHAPE, LayerCost([S], [0.0]), {"int8": 1.0})
+    for _ in range(2):
+        free.observe(_seen(joint, r_s=0.2))
+    assert free.offer(S, 1).suffix_scale is None
+
+
+def test_observe_returns_the_handoffs_link_sample_to_the_bit_or_none():
+    calibration = _decode()
+    joint = Action("int8", 20, L)
+    assert calibration.observe(_seen(joint)) is None
+    assert calibration.observe(_seen(joint, sample=(125_000_000, 1.0))) == pytest.approx(
+        1.0, rel=1e-12)  # 1 Gb in one second
+
+
+def test_pipelined_handoffs_are_filed_as_pipelined_evidence():
+    calibration = _decode()
+    joint = Action("int8", 20, L)
+    seen = dataclasses.replace(_seen(joint), pipelined=True)
+    for _ in range(3):  # the first is cold
+        calibration.observe(seen)
+    evidence = calibration.offer(S, 1).evidence
+    assert evidence.measured == {} and evidence.measured_pipelined[joint].count == 2
+
+
+def test_a_prefill_side_without_a_layer_cost_or_layers_learns_nothing():
+    none = PrefillCalibration({"int8": 0.5}, 10.0)
+    for _ in range(2):
+        none.observe_prefill(30, 512, 0.9)
+    assert none.prefill_ms_per_layer(512) == 0.0
+
+
+def test_a_one_layer_prefill_teaches_the_prefill_scale():
+    calibration = PrefillCalibration({"int8": 0.5}, 10.0, LayerCost([512], [20.0]))
+    calibration.observe_prefill(1, 512, 0.02)  # cold
+    calibration.observe_prefill(1, 512, 0.03)
+    assert calibration.prefill_ms_per_layer(512) == pytest.approx(30.0)
+
+
+def test_the_prefill_scale_is_learned_below_a_millisecond_and_never_from_nothing():
+    """A tiny layer cost still scales; a zero-time prefill or a free profile teaches nothing
+    (and divides by nothing)."""
+    fast = PrefillCalibration({"int8": 0.5}, 10.0, LayerCost([512], [0.01]))
+    fast.observe_prefill(10, 512, 0.0001)  # cold
+    fast.observe_prefill(10, 512, 0.0)  # no time measured
+    assert fast.gamma_scale[False].samples == 0
+    fast.observe_prefill(10, 512, 0.0002)  # 0.1 ms expected, 0.2 ms taken
+    assert fast.prefill_ms_per_layer(512) == pytest.approx(0.02)
+    free = PrefillCalibration({"int8": 0.5}, 10.0, LayerCost([512], [0.0]))
+    for _ in range(3):
+        free.observe_prefill(10, 512, 0.5)
+    assert free.gamma_scale[False].samples == 0 and free.prefill_ms_per_layer(512) == 0.0
+
+
+def _profiled(tmp_path) -> str:
+    profile = Profile("smollm2-135m", "cpu", "float32", 2, LayerCost([256, 1024], [2.5, 10.0]),
+                      quantize_ms_per_mib={"int8": 0.4}, restore_ms_per_mib={"int8": 0.3})
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    return str(path)
+
+
+@pytest.fixture
+def measured_codecs(monkeypatch):
+    """`measure_codec_costs` stubbed: (encode, restore) ms/MiB by device, a GPU's far cheaper;
+    the calls it had."""
+    from rekv_core.plan import calibration as module
+
+    calls = []
+
+    def measure(codec, shape, prompt_len=512, device="cpu", repeats=3):
+        calls.append((codec, str(device)))
+        return (7.0, 3.0) if str(device) == "cpu" else (0.07, 0.03)
+
+    monkeypatch.setattr(module, "measure_codec_costs", measure)
+    return calls
+
+
+def test_a_codec_the_profile_lacks_is_measured_for_its_own_side_on_the_models_device(
+        tmp_path, measured_codecs):
+    """Restore figures for the decode side, encode figures for the prefill side, each measured
+    where the model runs."""
+    path = _profiled(tmp_path)
+    cpu = SimpleNamespace(shape=SHAPE, device=torch.device("cpu"))
+    decode = DecodeCalibration.for_model(cpu, ("int8", "int4"), path, link_prior_gbps=3.0)
+    assert decode.restore_ms_per_mib == {"int8": 0.3, "int4": 3.0}
+    assert decode.link_gbps == 3.0  # the services' prior until a sample
+    assert decode.layer_cost.at(1024) == 10.0
+    joint = Action("int8", 20, L)
+    for _ in range(2):  # learns on the model's layers: 10 of suffix at 10 ms, 0.2 s taken
+        decode.observe(_seen(joint, r_s=0.2))
+    assert decode.offer(S, 1).suffix_scale == pytest.approx(2.0)
+    prefill = PrefillCalibration.for_model(cpu, ("int8", "int4"), path, 10.0)
+    assert prefill.quantize_ms_per_mib == {"int8": 0.4, "int4": 7.0}
+    gpu = SimpleNamespace(shape=SHAPE, device=torch.device("cuda", 0))
+    on_gpu = DecodeCalibration.for_model(gpu, ("int4",), path)
+    assert on_gpu.restore_ms_per_mib == {"int4": 0.03}
+    assert PrefillCalibration.for_model(gpu, ("int4",), path, 10.0).quantize_ms_per_mib == {
+        "int4": 0.07}
+
+
+def test_without_a_profile_file_the_decode_side_takes_the_cached_profile(monkeypatch):
+    from rekv_core.plan import calibration as module
+
+    cached = Profile("smollm2-135m", "cpu", "float32", 2, LayerCost([S], [4.0]),
+                     quantize_ms_per_mib={"int8": 0.4}, restore_ms_per_mib={"int8": 0.3})
+    monkeypatch.setattr(module, "cached_profile", lambda model, codecs: cached)
+    model = SimpleNamespace(shape=SHAPE, device=torch.device("cpu"))
+    decode = DecodeCalibration.for_model(model, ("int8",))
+    assert decode.layer_cost.at(S) == 4.0 and decode.restore_ms_per_mib == {"int8": 0.3}

@@ -343,6 +343,8 @@ def test_a_fresh_pair_settles_on_the_best_action_despite_the_prior_and_the_cold_
     (17.7, 1.87, False, False, True),  # cached during other load: far slower than the machine
     (17.7, 1.87, True, False, True),  # ... whatever the machine does now
     (1.0, 1.5, False, False, False),  # within the factor
+    (2.0, 1.0, True, False, False),  # exactly the factor faster: within it
+    (1.0, 2.0, False, False, False),  # exactly the factor slower: within it
     (1.0, 2.5, False, False, True),  # slower on an idle machine: the machine changed
     (1.0, 2.5, True, False, False),  # slower on a busy one: the load changed, not the profile
     (1.0, 1.0, False, True, True),  # measured busy, idle now: measure it properly

@@ -1,0 +1,104 @@
+"""How many requests shared the decode worker's compute (`rekv_core.plan.sharing.SharingMeter`),
+on a clock moved by hand: the mean count over an interval, its edges (two periods, the history,
+intervals that begin between samples or end after the last one), and the sampling thread."""
+
+import threading
+
+import pytest
+
+from rekv_core.plan.sharing import SharingMeter
+
+
+class Clock:
+    def __init__(self, now=0.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+def _run(meter, clock, count, steps, step_s, value):
+    count["now"] = value
+    for _ in range(steps):
+        clock.now += step_s
+        meter.sample()
+
+
+def test_by_default_an_interval_of_a_few_hundredths_of_a_second_is_averaged():
+    """The worker's meter samples every 10 ms: a 50 ms suffix gets the count it ran with, not
+    the count when it ended."""
+    count, clock = {"now": 0}, Clock()
+    meter = SharingMeter(lambda: count["now"], clock=clock, start=False)
+    _run(meter, clock, count, 5, 0.01, 3)
+    count["now"] = 1
+    assert meter.average(0.0, 0.05) == pytest.approx(3.0)
+
+
+def test_by_default_the_history_is_five_minutes():
+    """Sampled every second, the meter holds the last 300 s: an interval that begins before
+    them gets the count now; one inside them, its mean."""
+    count, clock = {"now": 0}, Clock()
+    meter = SharingMeter(lambda: count["now"], period_s=1.0, clock=clock, start=False)
+    _run(meter, clock, count, 150, 1.0, 3)  # (0, 150]: 3
+    _run(meter, clock, count, 150, 1.0, 1)  # (150, 300]: 1
+    count["now"] = 5
+    assert meter.average(0.0, 300.0) == 5.0  # its start has left the history
+    assert meter.average(1.0, 300.0) == pytest.approx((3 * 149 + 150) / 299)
+    assert meter.average(100.0, 200.0) == pytest.approx(2.0)
+
+
+def test_a_short_history_drops_what_is_older_than_it():
+    count, clock = {"now": 0}, Clock()
+    meter = SharingMeter(lambda: count["now"], period_s=0.25, history_s=0.5, clock=clock,
+                         start=False)
+    _run(meter, clock, count, 3, 0.25, 3)  # samples at 0.25, 0.5, 0.75
+    count["now"] = 1
+    assert meter.average(0.25, 0.75) == 1.0  # 0.25 is more than 0.5 s before the last sample
+    assert meter.average(0.5, 1.0) == 1.0  # too short: one period of history
+
+
+def test_two_periods_are_long_enough_to_average():
+    count, clock = {"now": 0}, Clock()
+    meter = SharingMeter(lambda: count["now"], period_s=0.25, clock=clock, start=False)
+    _run(meter, clock, count, 4, 0.25, 3)
+    count["now"] = 1
+    assert meter.average(0.0, 0.5) == 3.0
+    assert meter.average(0.5, 0.99) == 1.0  # under two periods: the count now
+
+
+def test_an_interval_may_begin_between_samples_and_end_after_the_last():
+    """The integral is linear between samples, and holds its last value after the last one (the
+    interval is cut there)."""
+    count, clock = {"now": 0}, Clock()
+    meter = SharingMeter(lambda: count["now"], period_s=0.25, clock=clock, start=False)
+    _run(meter, clock, count, 2, 0.25, 3)  # (0, 0.5]: 3
+    _run(meter, clock, count, 2, 0.25, 1)  # (0.5, 1.0]: 1
+    count["now"] = 7
+    assert meter.average(0.125, 1.0) == pytest.approx((3 * 0.375 + 1 * 0.5) / 0.875)
+    assert meter.average(0.0, 10.0) == pytest.approx(2.0)  # 1.0 is the last sample
+    assert meter.average(0.5, 10.0) == pytest.approx(1.0)
+
+
+def test_the_meter_samples_on_a_daemon_thread_of_its_own_name_until_closed():
+    """Started by default, it shows as `rekv-sharing` in thread dumps and logs, and never keeps
+    the process from exiting."""
+    seen, sampled = {}, threading.Event()
+
+    def count():
+        thread = threading.current_thread()
+        seen.update(name=thread.name, daemon=thread.daemon)
+        sampled.set()
+        return 1
+
+    meter = SharingMeter(count)
+    try:
+        assert sampled.wait(30.0), "the meter never sampled"
+    finally:
+        meter.close()
+    assert seen == {"name": "rekv-sharing", "daemon": True}
+
+
+def test_a_meter_sampled_by_its_caller_closes_without_a_thread():
+    meter = SharingMeter(lambda: 2, start=False)
+    meter.close()
+    assert meter.average(0.0, 1.0) == 2.0
