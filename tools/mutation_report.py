@@ -197,7 +197,9 @@ def listed(records: list[dict], verdicts: dict[str, str]) -> list[dict]:
 
 
 def _note(status: str, verdict: str, name: str) -> str:
-    if verdict.startswith("killed by") and status != "killed":
+    if verdict.startswith("killed by") and status == "timeout":
+        return "caught: the test waits out its hang limit under this mutant, past mutmut's"
+    if verdict.startswith("killed by") and status not in CAUGHT:
         return f"not rerun since: mutmut run '{name}'"
     if verdict.startswith("equivalent") and status == "killed":
         return "killed although triaged equivalent"

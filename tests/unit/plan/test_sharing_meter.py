@@ -102,3 +102,47 @@ def test_a_meter_sampled_by_its_caller_closes_without_a_thread():
     meter = SharingMeter(lambda: 2, start=False)
     meter.close()
     assert meter.average(0.0, 1.0) == 2.0
+
+
+def test_a_failed_count_is_logged_by_name_and_sampling_goes_on(caplog):
+    """One bad read of the count is reported as the meter's, with its traceback, and the
+    thread keeps sampling."""
+    calls, again = [], threading.Event()
+
+    def count():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("no count")
+        again.set()
+        return 1
+
+    with caplog.at_level("ERROR", logger="rekv_core.plan.sharing"):
+        meter = SharingMeter(count)
+        try:
+            assert again.wait(30.0), "the meter stopped sampling after a failed count"
+        finally:
+            meter.close()
+    failed = [r for r in caplog.records if r.exc_info]
+    assert [r.getMessage() for r in failed] == ["sharing meter: counting failed"]
+    assert "no count" in caplog.text
+
+
+def test_closing_does_not_wait_for_a_count_that_never_returns():
+    """A count stuck forever (a lock held elsewhere) does not hold `close()`: the thread is a
+    daemon and close gives up on it."""
+    stuck, entered = threading.Event(), threading.Event()
+
+    def count():
+        entered.set()
+        stuck.wait()
+        return 0
+
+    meter = SharingMeter(count)
+    closer = threading.Thread(target=meter.close, daemon=True)
+    try:
+        assert entered.wait(30.0)
+        closer.start()
+        closer.join(30.0)  # a close still waiting after this long waits for the stuck count
+        assert not closer.is_alive()
+    finally:
+        stuck.set()
