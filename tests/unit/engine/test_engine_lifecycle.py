@@ -226,3 +226,27 @@ def test_the_engine_checks_its_inputs():
     with pytest.raises(ValueError, match="remaining"):
         engine.join(stream("a", empty_cache(MODEL), 0, 0)[0])
     engine.close()
+
+
+def test_the_engine_is_idle_only_with_no_stream_and_no_turn_waiting():
+    """A stream waiting to join, or a turn asked for and not yet granted, each alone keeps the
+    engine from being idle (the engine here not started, so neither moves on)."""
+    joined = _engine(GatedStep())
+    asked = _engine(GatedStep())
+    try:
+        assert joined.idle() and asked.idle()
+        joined.join(stream("a", empty_cache(MODEL), 0, 10**9)[0])
+        assert not joined.idle()
+        thread, _ = _turn_in_thread(asked)
+        seen = threading.Event()
+        for _ in range(3000):  # the asking thread queues its ticket; 30 s at most
+            if not asked.idle():
+                seen.set()
+                break
+            seen.wait(0.01)
+        assert seen.is_set(), "a turn asked for left the engine idle"
+    finally:
+        joined.close()
+        asked.close()
+    thread.join(30)
+    assert not thread.is_alive()
