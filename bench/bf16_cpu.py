@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rekv_cli.bench.machine import machine_info  # noqa: E402
 from rekv_cli.bench.provenance import provenance  # noqa: E402
-from rekv_cli.util import write_json  # noqa: E402
+from rekv_cli.util import csv_of, write_json  # noqa: E402
 from rekv_core.model import Model, blocks, load_weights, prefill  # noqa: E402
 
 MEASURES = ("rekv_core/model", "bench/bf16_cpu.py")
@@ -99,7 +99,7 @@ def markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--prompt-len", default="256,1024")
+    parser.add_argument("--prompt-len", type=csv_of(int), default=[256, 1024])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", dest="json_path")
@@ -107,17 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats: must be >= 1")
-    try:
-        prompt_lens = [int(v) for v in args.prompt_len.split(",")]
-    except ValueError:
-        parser.error(f"--prompt-len: comma-separated integers, got {args.prompt_len!r}")
-    if any(s < 1 for s in prompt_lens):
-        parser.error("--prompt-len: every length must be >= 1")
+    if not args.prompt_len or any(s < 1 for s in args.prompt_len):
+        parser.error("--prompt-len: lengths >= 1, comma-separated")
     torch.set_num_threads(args.threads)
     meta = provenance(measures=MEASURES)
     meta["command"] = "python bench/bf16_cpu.py " + " ".join(argv if argv is not None
                                                               else sys.argv[1:])
-    rows = measure(_models(args.model), prompt_lens, args.repeats)
+    rows = measure(_models(args.model), args.prompt_len, args.repeats)
     machine = machine_info(torch.device("cpu"), torch.bfloat16, args.threads)
     result = {"meta": meta, "machine": machine, "threads": args.threads,
               "repeats": args.repeats, "model": args.model,
@@ -125,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"S={row['prompt_len']:>5} {row['case']:<17} {row['median_ms']:9.1f} ms "
               f"{row['over_float32']:5.2f}x float32")
-    if args.json_path:
-        write_json(args.json_path, result)
+    write_json(args.json_path, result)
     if args.markdown:
         Path(args.markdown).write_text(markdown(result))
     return 0

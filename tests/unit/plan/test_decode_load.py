@@ -14,20 +14,13 @@ from rekv_core.plan import decode_load
 from rekv_core.plan.decode_load import NAMES_ENDED_FOR_S, DecodeLoad, ReceiveOverlaps
 from rekv_core.plan.prefill_load import AssignedWork
 from rekv_core.plan.sharing import SharingMeter
-
-
-class Clock:
-    def __init__(self, now=100.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
+from tests.support.clocks import HandClock
 
 
 @pytest.fixture
 def clock(monkeypatch):
     """`time.monotonic` of the load book and of the transfers, moved by hand."""
-    fake = Clock()
+    fake = HandClock(100.0)
     monkeypatch.setattr(decode_load, "time", SimpleNamespace(monotonic=fake))
     monkeypatch.setattr("rekv_core.handoff.transfer.time", SimpleNamespace(monotonic=fake))
     return fake
@@ -38,7 +31,7 @@ def gamma(prompt_len, sharers):  # ms per layer, as a calibration would say
 
 
 def test_the_meter_averages_the_count_over_an_interval():
-    count, clock = {"now": 3}, Clock(0.0)
+    count, clock = {"now": 3}, HandClock(0.0)
     meter = SharingMeter(lambda: count["now"], period_s=0.01, clock=clock, start=False)
     for _ in range(30):  # 0.3 s at 3
         clock.now += 0.01

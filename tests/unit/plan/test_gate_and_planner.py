@@ -18,7 +18,7 @@ from rekv_core.plan.evidence import Evidence, Measured
 from rekv_core.plan.planner import Planner, expected_ms
 from rekv_core.plan.policy import Policy, shipped_policy
 from rekv_core.plan.recent import RecentHandoffs
-from services.prefill.faults import CoarseCodec
+from tests.support.coarse import with_coarse
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
         "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
@@ -56,8 +56,7 @@ def test_gate_passes_int8_and_names_what_fails(smollm_bf16, tokenizer):
     config = GateConfig(prompt_len=48, prompts=3, continuation=24, needle_depths=(0.5,))
     actions = [("int8", 15), ("int8", 30), ("int4", 30), ("coarse", 30)]
     policy = run_gate(smollm_bf16, tokenizer, ids, actions, config,
-                      codec_for=lambda name: (CoarseCodec(get_codec("int8")) if name == "coarse"
-                                              else get_codec(name)))
+                      codec_for=with_coarse(get_codec))
     verdicts = {(v["codec"], v["cut"]): v for v in policy.verdicts}
     assert set(verdicts) == set(actions)
     for v in verdicts.values():

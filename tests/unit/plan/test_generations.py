@@ -14,7 +14,7 @@ from rekv_core.eval.generation_set import CHAT, CODE, GenerationPrompt, generati
 from rekv_core.plan.gate import GateConfig, regate_generations, run_gate
 from rekv_core.plan.generations import GenerationFloor, GenerationScore, largest_passing_cut
 from rekv_core.plan.policy import Policy, deployed_codec
-from services.prefill.faults import CoarseCodec
+from tests.support.coarse import with_coarse
 
 TEXT = ("The history of the city begins with a small settlement on the river . Over the centuries "
         "it grew into a market town , then an industrial centre with mills and a railway . ") * 30
@@ -23,11 +23,6 @@ TEXT = ("The history of the city begins with a small settlement on the river . O
 def _prompts(tokenizer):
     return [GenerationPrompt("code", tuple(tokenizer.encode(CODE[0]))),
             GenerationPrompt("chat", tuple(tokenizer.encode(CHAT[0])))]
-
-
-def _with_coarse(codec_for):
-    """`codec_for`, with `coarse` added: int8's wire, fed K and V at five levels."""
-    return lambda name: CoarseCodec(codec_for("int8")) if name == "coarse" else codec_for(name)
 
 
 def _floor_verdict(verdict: dict) -> list[str]:
@@ -44,7 +39,7 @@ def test_the_gate_fails_generations_that_leave_bf16_early_and_passes_a_lossless_
                         generation_tokens=24)
     policy = run_gate(smollm_bf16, tokenizer, tokenizer.encode(TEXT),
                       [("splitzip", 30), ("int4", 30), ("coarse", 30)], config,
-                      generation=_prompts(tokenizer), codec_for=_with_coarse(get_codec))
+                      generation=_prompts(tokenizer), codec_for=with_coarse(get_codec))
     verdicts = {v["codec"]: v for v in policy.verdicts}
     lossless, broken, int4 = verdicts["splitzip"], verdicts["coarse"], verdicts["int4"]
     assert lossless["eligible"] and lossless["generation_exact_share"] == 1.0
@@ -112,7 +107,7 @@ def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_i
                               {"codec": "splitzip", "cut": 30, **verdict}])
     regated = regate_generations(smollm_bf16, policy, _prompts(tokenizer)[:1],
                                  GateConfig(generation_tokens=16),
-                                 _with_coarse(lambda name: deployed_codec(name, policy.meta)))
+                                 with_coarse(lambda name: deployed_codec(name, policy.meta)))
     assert regated.max_cut["splitzip"] == 30 and regated.max_cut["coarse"] < 30
     record = regated.meta.generation["codecs"]["coarse"]
     assert record["max_cut_before"] == 30 and record["max_cut"] == regated.max_cut["coarse"]

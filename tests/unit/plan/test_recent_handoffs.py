@@ -8,16 +8,9 @@ import pytest
 from rekv_core.handoff import Action, ActionKind
 from rekv_core.plan.evidence import Measured
 from rekv_core.plan.recent import RecentHandoffs
+from tests.support.clocks import HandClock
 
 JOINT = Action("int8", 21, 30)
-
-
-class Clock:
-    def __init__(self, now=0.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
 
 
 def _warm(recent, action=JOINT, prompt_len=1024, link_gbps=1.0):
@@ -26,7 +19,7 @@ def _warm(recent, action=JOINT, prompt_len=1024, link_gbps=1.0):
 
 
 def test_by_default_a_window_holds_the_last_16_handoffs():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent)
     for measured in range(1, 18):  # 17 warm handoffs: the first drops out of the window
         recent.observe(JOINT, 1024, 1.0, float(measured), link_gbps=1.0)
@@ -35,7 +28,7 @@ def test_by_default_a_window_holds_the_last_16_handoffs():
 
 
 def test_by_default_handoffs_speak_for_ten_minutes_up_to_the_last_instant():
-    clock = Clock(1000.0)
+    clock = HandClock(1000.0)
     recent = RecentHandoffs(clock=clock)
     _warm(recent)
     recent.observe(JOINT, 1024, 10.0, 20.0, link_gbps=1.0)
@@ -48,7 +41,7 @@ def test_by_default_handoffs_speak_for_ten_minutes_up_to_the_last_instant():
 
 
 def test_by_default_a_link_within_a_factor_two_is_alike_both_ways():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent, link_gbps=2.0)
     recent.observe(JOINT, 1024, 10.0, 20.0, link_gbps=2.0)
     for alike in (1.0, 2.0, 4.0):  # a factor 2 exactly, either way, still alike
@@ -60,7 +53,7 @@ def test_by_default_a_link_within_a_factor_two_is_alike_both_ways():
 
 
 def test_a_handoff_without_time_or_link_is_not_filed():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent)
     recent.observe(JOINT, 1024, 10.0, 0.0, link_gbps=1.0)  # no time
     recent.observe(JOINT, 1024, 10.0, -3.0, link_gbps=1.0)
@@ -76,7 +69,7 @@ def test_a_handoff_without_time_or_link_is_not_filed():
 
 
 def test_a_sub_millisecond_handoff_is_filed():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent)
     recent.observe(JOINT, 1024, 0.25, 0.5, link_gbps=1.0)
     assert recent.measured(1024, 1.0) == {JOINT: Measured(0.5, 1024, 1)}
@@ -85,14 +78,14 @@ def test_a_sub_millisecond_handoff_is_filed():
 
 
 def test_a_handoff_faster_than_modelled_corrects_its_kind_down():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent)
     recent.observe(JOINT, 1024, 40.0, 10.0, link_gbps=1.0)
     assert recent.corrections(1.0) == {ActionKind.JOINT: pytest.approx(0.25)}
 
 
 def test_a_handoff_with_no_model_is_measured_but_corrects_nothing():
-    recent = RecentHandoffs(clock=Clock())
+    recent = RecentHandoffs(clock=HandClock())
     _warm(recent)
     recent.observe(JOINT, 1024, 0.0, 30.0, link_gbps=1.0)
     assert recent.measured(1024, 1.0) == {JOINT: Measured(30.0, 1024, 1)}

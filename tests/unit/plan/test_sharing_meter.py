@@ -7,14 +7,7 @@ import threading
 import pytest
 
 from rekv_core.plan.sharing import SharingMeter
-
-
-class Clock:
-    def __init__(self, now=0.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
+from tests.support.clocks import HandClock
 
 
 def _run(meter, clock, count, steps, step_s, value):
@@ -27,7 +20,7 @@ def _run(meter, clock, count, steps, step_s, value):
 def test_by_default_an_interval_of_a_few_hundredths_of_a_second_is_averaged():
     """The worker's meter samples every 10 ms: a 50 ms suffix gets the count it ran with, not
     the count when it ended."""
-    count, clock = {"now": 0}, Clock()
+    count, clock = {"now": 0}, HandClock()
     meter = SharingMeter(lambda: count["now"], clock=clock, start=False)
     _run(meter, clock, count, 5, 0.01, 3)
     count["now"] = 1
@@ -37,7 +30,7 @@ def test_by_default_an_interval_of_a_few_hundredths_of_a_second_is_averaged():
 def test_by_default_the_history_is_five_minutes():
     """Sampled every second, the meter holds the last 300 s: an interval that begins before
     them gets the count now; one inside them, its mean."""
-    count, clock = {"now": 0}, Clock()
+    count, clock = {"now": 0}, HandClock()
     meter = SharingMeter(lambda: count["now"], period_s=1.0, clock=clock, start=False)
     _run(meter, clock, count, 150, 1.0, 3)  # (0, 150]: 3
     _run(meter, clock, count, 150, 1.0, 1)  # (150, 300]: 1
@@ -48,7 +41,7 @@ def test_by_default_the_history_is_five_minutes():
 
 
 def test_a_short_history_drops_what_is_older_than_it():
-    count, clock = {"now": 0}, Clock()
+    count, clock = {"now": 0}, HandClock()
     meter = SharingMeter(lambda: count["now"], period_s=0.25, history_s=0.5, clock=clock,
                          start=False)
     _run(meter, clock, count, 3, 0.25, 3)  # samples at 0.25, 0.5, 0.75
@@ -58,7 +51,7 @@ def test_a_short_history_drops_what_is_older_than_it():
 
 
 def test_two_periods_are_long_enough_to_average():
-    count, clock = {"now": 0}, Clock()
+    count, clock = {"now": 0}, HandClock()
     meter = SharingMeter(lambda: count["now"], period_s=0.25, clock=clock, start=False)
     _run(meter, clock, count, 4, 0.25, 3)
     count["now"] = 1
@@ -69,7 +62,7 @@ def test_two_periods_are_long_enough_to_average():
 def test_an_interval_may_begin_between_samples_and_end_after_the_last():
     """The integral is linear between samples, and holds its last value after the last one (the
     interval is cut there)."""
-    count, clock = {"now": 0}, Clock()
+    count, clock = {"now": 0}, HandClock()
     meter = SharingMeter(lambda: count["now"], period_s=0.25, clock=clock, start=False)
     _run(meter, clock, count, 2, 0.25, 3)  # (0, 0.5]: 3
     _run(meter, clock, count, 2, 0.25, 1)  # (0.5, 1.0]: 1
