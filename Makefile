@@ -78,7 +78,8 @@ demo: $(VENV)/.runtime
 
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (--dist loadfile:
 # a module's services start once). Half of a serial run's time waits on the processes a test
-# starts, so two workers take about a fifth off on two cores; TEST_WORKERS=0 runs it serially.
+# starts, so two workers take about a fifth off on two cores (each worker's torch then has one
+# thread: tests/conftest.py shares the cores out); TEST_WORKERS=0 runs it serially.
 TEST_WORKERS ?= 2
 test: $(VENV)/.test $(TOOLS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
