@@ -60,6 +60,24 @@ async def _recv_tag(buffer, tag: int) -> None:
     await _context().recv(buffer, tag)
 
 
+# Receives of parts given up on. Cancelling the task that awaits a posted UCX receive does not
+# take the receive out of UCX, which writes into its buffer whenever the part arrives (a stalled
+# sender's part may come long after the link is back); the task's coroutine holds that buffer.
+# So the task is kept here, not cancelled, until UCX completes it: the buffer outlives UCX's use.
+ABANDONED_PARTS: set[asyncio.Future] = set()
+
+
+def _abandon(part: asyncio.Future) -> None:
+    ABANDONED_PARTS.add(part)
+    part.add_done_callback(_forget_abandoned)
+
+
+def _forget_abandoned(part: asyncio.Future) -> None:
+    ABANDONED_PARTS.discard(part)
+    if not part.cancelled():
+        part.exception()  # retrieved: a late part's error is expected, not worth a warning
+
+
 async def _all_parts(receives: list, give_up: Callable[[], bool]) -> None:
     waiting = {asyncio.ensure_future(r) for r in receives}
     try:
@@ -71,7 +89,7 @@ async def _all_parts(receives: list, give_up: Callable[[], bool]) -> None:
                 raise TransportError(f"{len(waiting)} part(s) of a message never came")
     finally:
         for part in waiting:
-            part.cancel()
+            _abandon(part)
 
 
 async def _discard(context, probe) -> None:
