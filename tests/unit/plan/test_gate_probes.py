@@ -73,8 +73,9 @@ def test_splitzip_is_calibrated_on_windows_from_the_texts_end(monkeypatch):
 
 
 class _ShiftingCodec:
-    """SpectrumKV's stand-in: records what it is given and gives back K + 0.5 and V - 0.25, so
-    the answer shows whether the decoded cache (and not the prefill's own) was decoded from."""
+    """SpectrumKV's stand-in: records what it is given and gives back K + 0.5 and V - 0.25 in
+    float64, so the answer shows whether the decoded cache (and not the prefill's own) was decoded
+    from, cast back to the model's dtype."""
 
     made: list[tuple] = []
     importance_window = 8
@@ -87,8 +88,9 @@ class _ShiftingCodec:
         return k, v
 
     def decode(self, encoded, verify=True):
+        self.made.append(("decode", verify))
         k, v = encoded
-        return (k + 0.5).float(), (v - 0.25).float()
+        return k.double() + 0.5, v.double() - 0.25
 
 
 def test_the_spectrum_probe_answers_from_the_codecs_cache(monkeypatch):
@@ -110,13 +112,14 @@ def test_the_spectrum_probe_answers_from_the_codecs_cache(monkeypatch):
         assert repeats > 0
         ids = tok.encode(passkey_prompt(trial["passkey"], repeats, trial["depth"]))
         assert call["ids"] == ids and call["importance_window"] == 8
-        assert not call["boundaries"]
+        assert call["out"].hidden == {}, "the probe keeps no boundary state"
         assert next(made) == (PROBE_BUDGET, PROBE_TIERS)
         state = call["out"]
         for layer in range(L):
             what, k, v, scores, checksums = next(made)
             assert k is state.keys[layer] and v is state.values[layer]
             assert scores is state.importance[layer] and checksums is False
+            assert next(made) == ("decode", False), "encoded without checksums: no verify"
         cache = KVCache.from_layers([k + 0.5 for k in state.keys],
                                     [v - 0.25 for v in state.values],
                                     len(ids) + gate.PROBE_TOKENS)
