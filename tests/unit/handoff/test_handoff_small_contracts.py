@@ -64,43 +64,43 @@ def test_a_fresh_sealing_draws_a_new_key_each_time():
     assert a.binding == Sealing().binding
 
 
-class _Recorder:
+class _Transport:
+    """Records the aborts; an abort lets the reader's thread end, as the real one does."""
+
+    def __init__(self, on_abort):
+        self.calls: list[tuple] = []
+        self._on_abort = on_abort
+
+    def abort(self, request_id):
+        self.calls.append(("abort", request_id))
+        self._on_abort()
+
+
+class _Transfer:
     def __init__(self):
         self.calls: list[tuple] = []
 
-
-class _Transport(_Recorder):
-    def abort(self, request_id):
-        self.calls.append(("abort", request_id))
-
-    def close(self, request_id):
-        self.calls.append(("close", request_id))
-
-
-class _Transfer(_Recorder):
     def fail(self, why):
         self.calls.append(("fail", why))
 
 
 class _Inbound:
-    def __init__(self):
-        self.request_id, self.transport, self.transfer = "r-7", _Transport(), _Transfer()
+    def __init__(self, on_abort):
+        self.request_id, self.transport, self.transfer = "r-7", _Transport(on_abort), _Transfer()
 
 
 class _Incoming:
-    def __init__(self):
-        self.inbound = _Inbound()
+    def __init__(self, on_abort):
+        self.inbound = _Inbound(on_abort)
         self.action = type("Action", (), {"cut": 2})()
         self.full = {0: ("k", "v"), 1: ("k", "v")}  # both layers' residuals in
 
 
 def _pending():
-    incoming = _Incoming()
     release = threading.Event()
+    incoming = _Incoming(on_abort=release.set)
     worker = threading.Thread(target=release.wait, daemon=True)  # the reader, until aborted
     worker.start()
-    incoming.inbound.transport.abort = lambda request_id: (
-        incoming.inbound.transport.calls.append(("abort", request_id)), release.set())
     return PendingResiduals(incoming, worker, join=None), incoming, worker
 
 

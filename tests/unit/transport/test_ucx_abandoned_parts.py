@@ -23,6 +23,9 @@ async def _posted(buffer: torch.Tensor, arrives: asyncio.Event) -> None:
 
 
 def test_parts_given_up_on_are_kept_until_they_land_then_released():
+    async def _landed_now(buffer):
+        buffer.fill_(1)
+
     async def scenario():
         arrives = asyncio.Event()
         landed = torch.zeros(4, dtype=torch.uint8)
@@ -45,9 +48,6 @@ def test_parts_given_up_on_are_kept_until_they_land_then_released():
         del kept
         gc.collect()
         assert all(w() is None for w in watch), "a landed part's buffer is still held"
-
-    async def _landed_now(buffer):
-        buffer.fill_(1)
 
     asyncio.run(scenario())
 
