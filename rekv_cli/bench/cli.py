@@ -154,11 +154,11 @@ def print_results(results: dict) -> None:
                               f"{r['model_ms']:.0f}", f"{r['speedup_vs_bf16']:.2f}")
             console.print(table)
     pairs = Table(title="Overlapped vs sequential schedule at the same cut (ms)")
-    for column in ("S", "link", "codec", "cut", "overlap", "sequential", "seq/ov",
+    for column in ("S", "link", "action", "codec", "cut", "overlap", "sequential", "seq/ov",
                    "ov model", "ov measured/model"):
         pairs.add_column(column, justify="right")
     for p in results["overlap_vs_sequential"]:
-        pairs.add_row(str(p["prompt_len"]), p["link"], p["codec"], str(p["cut"]),
+        pairs.add_row(str(p["prompt_len"]), p["link"], p["action"], p["codec"], str(p["cut"]),
                       f"{p['overlap_ms']:.0f}", f"{p['sequential_ms']:.0f}",
                       f"{p['sequential_over_overlap']:.2f}", f"{p['overlap_model_ms']:.0f}",
                       f"{p['overlap_measured_over_model']:.2f}")

@@ -269,16 +269,18 @@ def _results(model: Model, config: BenchConfig, points: list[dict], rows: list[d
 
 
 def overlap_vs_sequential(rows: list[dict]) -> list[dict]:
-    """Pairs of rows at the same (S, link, codec, cut) under both schedules (seed Table 3)."""
+    """Pairs of rows of the same action at the same (S, link, codec, cut) under both schedules
+    (seed Table 3). Actions that share a codec and cut (joint and the token split) never pair."""
     by_key = {}
     for row in rows:
-        by_key.setdefault((row["prompt_len"], row["link"], row["codec"], row["cut"]), {})[
-            row["schedule"]] = row
+        key = (row["prompt_len"], row["link"], row["action"], row["codec"], row["cut"])
+        by_key.setdefault(key, {})[row["schedule"]] = row
     pairs = []
-    for (S, link, codec, cut), both in by_key.items():
+    for (S, link, action, codec, cut), both in by_key.items():
         if len(both) == 2:
             ov, seq = both["overlap"], both["sequential"]
-            pairs.append({"prompt_len": S, "link": link, "codec": codec, "cut": cut,
+            pairs.append({"prompt_len": S, "link": link, "action": action, "codec": codec,
+                          "cut": cut,
                           "overlap_ms": ov["median_ms"], "sequential_ms": seq["median_ms"],
                           "sequential_over_overlap": seq["median_ms"] / ov["median_ms"],
                           "overlap_model_ms": ov["model_ms"],

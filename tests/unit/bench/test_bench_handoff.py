@@ -6,7 +6,8 @@ import statistics
 
 import pytest
 
-from rekv_cli.bench.handoff import BenchConfig, LinkRate, cases_for, default_cuts
+from rekv_cli.bench.handoff import (BenchConfig, LinkRate, cases_for, default_cuts,
+                                    overlap_vs_sequential)
 from rekv_cli.bench.stats import median_ci, paired_ratio
 from rekv_core.handoff import ReceiveMode
 from rekv_core.handoff.action import ActionKind
@@ -68,3 +69,20 @@ def test_sweep_covers_every_action_kind_and_both_schedules():
     assert joint_int8 == {6, 12, 18, 24}
     with pytest.raises(ValueError, match="cuts"):
         cases_for(30, BenchConfig(cuts=[30]))
+
+
+def test_overlap_pairs_only_rows_of_the_same_action():
+    """The joint action and the token split share codec and cut: the sequential joint row pairs
+    with the overlapped joint row, never with the token split's (which has no sequential row)."""
+    def row(action, schedule, median):
+        return {"prompt_len": 2048, "link": "x1", "action": action, "codec": "int8", "cut": 18,
+                "schedule": schedule, "median_ms": median, "model_ms": median + 1.0,
+                "measured_over_model": median / (median + 1.0)}
+    rows = [row("joint", "overlap", 3759.0), row("joint", "sequential", 5519.0),
+            row("token_split", "overlap", 2734.0)]
+    for ordered in (rows, rows[::-1]):
+        (pair,) = overlap_vs_sequential(ordered)
+        assert pair["action"] == "joint"
+        assert (pair["overlap_ms"], pair["sequential_ms"]) == (3759.0, 5519.0)
+        assert pair["sequential_over_overlap"] == 5519.0 / 3759.0
+        assert pair["overlap_model_ms"] == 3760.0
