@@ -17,7 +17,8 @@ from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, Wire
 from rekv_core.handoff.fingerprint import is_fingerprint
 from rekv_core.handoff.seal import KEY_BYTES
 from rekv_core.model.sampling import SamplingParams
-from rekv_core.plan.evidence import MAX_PLANNED_TRANSFERS, DecodeCosts, Evidence, Measured
+from rekv_core.plan.evidence import (MAX_PLANNED_TRANSFERS, MAX_SUFFIX_SCALE, DecodeCosts,
+                                     Evidence, Measured)
 from services.calls import Completion, ConnectCall, Connected, GenerateCall
 from services.errors import InvalidArgument
 from services.rpc import rekv_pb2
@@ -320,9 +321,6 @@ def connect_response(connected: Connected):
 def _measured_only(**values: float | None) -> dict[str, float]:
     """The optional offer fields that hold a measurement (unset: not measured yet)."""
     return {name: value for name, value in values.items() if value is not None}
-
-
-MAX_SUFFIX_SCALE = 100.0  # a measured suffix this many times its profile says the profile is wrong
 
 
 def _scale(value: float) -> float:

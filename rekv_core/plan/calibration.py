@@ -36,7 +36,8 @@ from rekv_core.model.executor import Model
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.cost import CostInputs
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS, Ewma, LayerCost, LinkEstimate
-from rekv_core.plan.evidence import CodecCost, DecodeCosts, Evidence, HandoffObservation
+from rekv_core.plan.evidence import (CodecCost, DecodeCosts, Evidence, HandoffObservation,
+                                     offered_suffix_scale)
 from rekv_core.plan.measure import measure_codec_costs
 from rekv_core.plan.planner import LINK_SAMPLE_BYTES
 from rekv_core.plan.profile import Profile
@@ -120,7 +121,8 @@ class DecodeCalibration:
             evidence=Evidence(self.recent.corrections(link),
                               self.recent.measured(prompt_len, link),
                               self.recent.measured(prompt_len, link, pipelined=True)),
-            suffix_scale=self.gamma_scale.value if self.gamma_scale.samples else None)
+            suffix_scale=(offered_suffix_scale(self.gamma_scale.value) if self.gamma_scale.samples
+                          else None))
 
     def observe_probe(self, nbytes: int, seconds: float) -> float | None:
         """A link probe's sample (`handoff.probe`); the estimate after it."""

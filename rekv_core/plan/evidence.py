@@ -23,6 +23,16 @@ from dataclasses import dataclass, field
 from rekv_core.handoff import Action, ActionKind, HandoffTimings, WireBytes
 
 MAX_PLANNED_TRANSFERS = 4096  # the most transfer ids one offer names (`DecodeOffer.planned`)
+# The protocol's bounds on `DecodeCosts.suffix_scale`: a measured suffix this many times (or this
+# small a fraction of) its profile says the profile is wrong, and the prefill side must not
+# multiply its own compute figures by more; the decode side offers its scale clamped to them.
+MAX_SUFFIX_SCALE = 100.0
+MIN_SUFFIX_SCALE = 0.01
+
+
+def offered_suffix_scale(measured: float) -> float:
+    """`measured` (a suffix's time over its profile's) within the protocol's bounds."""
+    return min(MAX_SUFFIX_SCALE, max(MIN_SUFFIX_SCALE, measured))
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,9 @@ class DecodeCosts:
     message_ms: float
     link_gbps: float | None  # the link as this worker measured it; None: no sample yet
     evidence: Evidence = field(default_factory=Evidence)
-    suffix_scale: float | None = None  # measured suffix time over the profile's; None: not yet
+    # measured suffix time over the profile's, within [MIN_SUFFIX_SCALE, MAX_SUFFIX_SCALE];
+    # None: not yet
+    suffix_scale: float | None = None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,12 @@ import pytest
 
 from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
 from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
-from rekv_core.plan.evidence import DecodeCosts, Evidence, Measured
+from rekv_core.handoff import HandoffTimings
+from rekv_core.model import get_preset
+from rekv_core.plan.calibration import DecodeCalibration
+from rekv_core.plan.estimates import LayerCost
+from rekv_core.plan.evidence import (MAX_SUFFIX_SCALE, MIN_SUFFIX_SCALE, DecodeCosts, Evidence,
+                                     HandoffObservation, Measured)
 from rekv_core.plan.quality import Quality
 from services import wire_convert
 from services.calls import ConnectCall
@@ -43,6 +48,26 @@ def test_a_handoff_call_survives_the_wire(link_gbps, suffix_scale):
     request = wire_convert.handoff_request(call)
     assert request.offer.HasField("link_gbps") == (link_gbps is not None)
     assert wire_convert.handoff_call(request, "smollm2-135m", L) == call
+
+
+@pytest.mark.parametrize("suffix_s, offered", [(1000.0, MAX_SUFFIX_SCALE),
+                                               (1e-6, MIN_SUFFIX_SCALE)])
+def test_a_decode_side_that_timed_an_absurd_suffix_offers_a_scale_the_wire_accepts(suffix_s,
+                                                                                 offered):
+    """A suffix far slower (a loaded machine) or faster than the profile says: the decode side
+    offers its scale clamped to the protocol's bounds, so the prefill side accepts the offer
+    instead of failing the request with INVALID_ARGUMENT."""
+    shape = get_preset("smollm2-135m")
+    calibration = DecodeCalibration(shape, LayerCost([1024], [1.0]), {"bf16": 0.0})
+    for _ in range(2):  # the first handoff runs cold code paths: not learned from
+        calibration.observe(HandoffObservation(
+            Action.token_only(shape.num_layers), 1024, 1,
+            HandoffTimings(0.0, 0.0, suffix_s, 0.0, suffix_s), WireBytes(), None, 0.0, 300.0))
+    costs = calibration.offer(1024, 1)
+    assert costs.suffix_scale == offered
+    call = dataclasses.replace(_call(), offer=dataclasses.replace(_call().offer, costs=costs))
+    request = wire_convert.handoff_request(call)
+    assert wire_convert.handoff_call(request, "smollm2-135m", L).offer.costs.suffix_scale == offered
 
 
 def test_an_unmeasured_link_is_absent_not_zero():
