@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 
 from rekv_core.connector import DecodeOffer, HandoffCall, HandoffReply
-from rekv_core.handoff import Action, ActionKind, Delivery, Order, Sealing, WireBytes
-from rekv_core.handoff import HandoffTimings
+from rekv_core.handoff import (Action, ActionKind, Delivery, HandoffTimings, Order, Sealing,
+                               WireBytes)
 from rekv_core.model import get_preset
 from rekv_core.plan.calibration import DecodeCalibration
 from rekv_core.plan.estimates import LayerCost
@@ -65,7 +65,8 @@ def test_a_decode_side_that_timed_an_absurd_suffix_offers_a_scale_the_wire_accep
             HandoffTimings(0.0, 0.0, suffix_s, 0.0, suffix_s), WireBytes(), None, 0.0, 300.0))
     costs = calibration.offer(1024, 1)
     assert costs.suffix_scale == offered
-    call = dataclasses.replace(_call(), offer=dataclasses.replace(_call().offer, costs=costs))
+    call = _call()
+    call = dataclasses.replace(call, offer=dataclasses.replace(call.offer, costs=costs))
     request = wire_convert.handoff_request(call)
     assert wire_convert.handoff_call(request, "smollm2-135m", L).offer.costs.suffix_scale == offered
 
