@@ -1,7 +1,9 @@
 """The report of `make mutate`: mutmut's results over rekv_core/plan, handoff and engine, with the
 hand-written verdict on every mutant that no test killed.
 
-    python tools/mutation_report.py begin      record this run's commit (mutants/rekv-runs.json)
+    python tools/mutation_report.py begin      record this run's commit (mutants/rekv-runs.json),
+                                               first restoring the committed report's results
+                                               into a fresh mutants/
     python tools/mutation_report.py [--out STEM] [--triage FILE]
                                                write STEM.md and STEM.json from mutants/
 
@@ -21,6 +23,12 @@ hand and never written here): `{"verdicts": {mutant name: "killed by <test>" or 
 mutmut numbers a function's mutants afresh only when the function changes, and then tests them
 again. A `killed by` verdict is proven by rerunning the mutant (`mutmut run NAME`): its status
 then reads `killed`.
+
+The report's JSON also keeps every mutant's result (`state`: per source file, each function's
+hash and each checked mutant's exit code), since mutants/ is not kept in git: `begin` on a
+machine without mutants/ writes them back as mutmut's `.meta` files (and the runs so far), and
+mutmut, generating the mutants afresh, keeps the result of every mutant whose function's hash is
+unchanged. So a run resumes where the last committed report stopped, on any machine.
 """
 
 from __future__ import annotations
@@ -86,12 +94,55 @@ def _lines(path: str) -> list[str]:
         return []
 
 
-def begin() -> None:
-    """Appends this run's provenance (commit, clean tree, start) to mutants/rekv-runs.json."""
+def begin(report_json: Path) -> None:
+    """Appends this run's provenance (commit, clean tree, start) to mutants/rekv-runs.json, first
+    restoring `report_json`'s results into mutants/ where it holds none (`restore`)."""
+    if not RUNS.exists() and report_json.exists():
+        restored = restore(json.loads(report_json.read_text(encoding="utf-8")))
+        print(f"restored {restored} mutants' results from {report_json}")
     MUTANTS.mkdir(exist_ok=True)
     runs = json.loads(RUNS.read_text()) if RUNS.exists() else []
     runs.append(provenance(ROOT, measures=MEASURES))
     RUNS.write_text(json.dumps(runs, indent=1) + "\n")
+
+
+def state() -> dict[str, dict]:
+    """mutmut's own records, enough to resume: {source file: {"hashes": {function: hash},
+    "exit_codes": {mutant name less its module: exit code}}}, checked mutants only."""
+    out = {}
+    for path in walk_mutatable_files():
+        data = SourceFileMutationData(path=path)
+        data.load()
+        prefix = _module(path) + "."
+        out[path.as_posix()] = {
+            "hashes": dict(sorted(data.hash_by_function_name.items())),
+            "exit_codes": {name.removeprefix(prefix): code
+                           for name, code in sorted(data.exit_code_by_key.items())
+                           if code is not None}}
+    return out
+
+
+def restore(report_data: dict) -> int:
+    """Writes `report_data`'s runs and `state` into mutants/ as mutmut's `.meta` files; returns
+    how many mutants' results it restored. mutmut keeps a result only while its function's hash
+    is the one recorded (it drops the rest when it generates the mutants)."""
+    MUTANTS.mkdir(exist_ok=True)
+    RUNS.write_text(json.dumps(report_data.get("runs", []), indent=1) + "\n")
+    restored = 0
+    for path, recorded in report_data.get("state", {}).items():
+        data = SourceFileMutationData(path=path)
+        prefix = _module(Path(path)) + "."
+        data.hash_by_function_name = dict(recorded["hashes"])
+        data.exit_code_by_key = {prefix + name: code
+                                 for name, code in recorded["exit_codes"].items()}
+        data.meta_path.parent.mkdir(parents=True, exist_ok=True)
+        data.save()
+        restored += len(data.exit_code_by_key)
+    return restored
+
+
+def _module(path: Path) -> str:
+    return ".".join(path.with_suffix("").parts).removesuffix(".__init__")
 
 
 def read_results() -> list[dict]:
@@ -100,7 +151,7 @@ def read_results() -> list[dict]:
     for path in walk_mutatable_files():
         data = SourceFileMutationData(path=path)
         data.load()
-        module = ".".join(path.with_suffix("").parts).removesuffix(".__init__")
+        module = _module(path)
         for name, exit_code in data.exit_code_by_key.items():
             records.append({"name": name, "file": path.as_posix(), "module": module,
                             "package": "/".join(path.parts[:2]),
@@ -223,6 +274,7 @@ def report(records: list[dict], verdicts: dict[str, str]) -> dict:
         "modules": counts(records, "module"),
         "listed": rows,
         "triage_of_unknown_mutants": sorted(set(verdicts) - known),
+        "state": state(),
     }
 
 
@@ -289,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     os.chdir(ROOT)
     os.environ.setdefault("GIT_OPTIONAL_LOCKS", "0")  # git status reads, never refreshes the index
     if args.step == "begin":
-        begin()
+        begin(Path(f"{args.out}.json"))
         return 0
     records = read_results()
     if not records:
