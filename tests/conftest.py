@@ -28,8 +28,12 @@ from rekv_core.model import Model, embedded_gguf_path, load_weights  # noqa: E40
 from rekv_core.model.tokenizer import GGUFTokenizer  # noqa: E402
 
 # two threads at most, and the cores shared out among pytest-xdist's workers (`make test` runs two)
+# or mutmut's (a mutant to each core: one thread each)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+if os.environ.get("MUTANT_UNDER_TEST"):
+    THREADS = 1
+torch.set_num_threads(THREADS)
 
 SYSTEM = Path(__file__).resolve().parent / "system"
 # The tests whose verdict rests on floating-point results of the real model's layers: exactness

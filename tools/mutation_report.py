@@ -97,9 +97,9 @@ def _lines(path: str) -> list[str]:
 def begin(report_json: Path) -> None:
     """Appends this run's provenance (commit, clean tree, start) to mutants/rekv-runs.json, first
     restoring `report_json`'s results into mutants/ where it holds none (`restore`)."""
-    if not RUNS.exists() and report_json.exists():
-        restored = restore(json.loads(report_json.read_text(encoding="utf-8")))
-        print(f"restored {restored} mutants' results from {report_json}")
+    recorded = json.loads(report_json.read_text(encoding="utf-8")) if report_json.exists() else {}
+    if not RUNS.exists() and "state" in recorded:
+        print(f"restored {restore(recorded)} mutants' results from {report_json}")
     MUTANTS.mkdir(exist_ok=True)
     runs = json.loads(RUNS.read_text()) if RUNS.exists() else []
     runs.append(provenance(ROOT, measures=MEASURES))
