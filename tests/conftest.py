@@ -1,7 +1,8 @@
 """Shared fixtures, the `system` marker on every test under tests/system (so `-m "not system"`
 and `pytest tests/unit` select the same tests) and the `numerics` marker on the files of NUMERICS
 (`make test-isa` runs them under each instruction set the CPU's kernels can be held to). Under
-`make mutate` a mutant's tests run fastest first (`_fastest_first`). Triton runs in interpreter
+`make mutate` a mutant's tests run fastest first (`_fastest_first`), on one torch thread, with the
+embedded model loaded before mutmut forks (`PRELOADED`). Triton runs in interpreter
 mode on machines without CUDA; that must be decided before anything imports triton."""
 
 import atexit
@@ -74,18 +75,16 @@ def _fastest_first(items: list, stats: Path) -> list:
     return sorted(items, key=lambda item: duration.get(item.nodeid, float("inf")))
 
 
-@pytest.fixture(scope="session")
-def smollm_fp32() -> Model:
+def _load_fp32() -> Model:
     return Model(load_weights("smollm2-135m", torch.float32))
 
 
-@pytest.fixture(scope="session")
-def smollm_bf16(smollm_fp32) -> Model:
+def _cast_bf16(fp32: Model) -> Model:
     from dataclasses import fields
 
     from rekv_core.model.weights import LayerWeights, ModelWeights
 
-    w = smollm_fp32.weights
+    w = fp32.weights
 
     def cast(t):
         return None if t is None else t.to(torch.bfloat16)
@@ -97,9 +96,34 @@ def smollm_bf16(smollm_fp32) -> Model:
                               final_norm=cast(w.final_norm), lm_head=embed))
 
 
+def _load_tokenizer() -> GGUFTokenizer:
+    return GGUFTokenizer.from_gguf(embedded_gguf_path())
+
+
+# Under `make mutate`, loaded once here, at collection, by mutmut's fork server, which then forks
+# a process per mutant: each starts with the embedded model and its tokenizer in memory
+# (copy-on-write) instead of spending about ten seconds loading them again. With one torch thread
+# (THREADS) no OpenMP pool has started, so the fork is safe.
+PRELOADED: dict = {}
+if os.environ.get("MUTANT_UNDER_TEST"):
+    PRELOADED["fp32"] = _load_fp32()
+    PRELOADED["bf16"] = _cast_bf16(PRELOADED["fp32"])
+    PRELOADED["tokenizer"] = _load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def smollm_fp32() -> Model:
+    return PRELOADED["fp32"] if "fp32" in PRELOADED else _load_fp32()
+
+
+@pytest.fixture(scope="session")
+def smollm_bf16(smollm_fp32) -> Model:
+    return PRELOADED["bf16"] if "bf16" in PRELOADED else _cast_bf16(smollm_fp32)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> GGUFTokenizer:
-    return GGUFTokenizer.from_gguf(embedded_gguf_path())
+    return PRELOADED["tokenizer"] if "tokenizer" in PRELOADED else _load_tokenizer()
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,10 @@
 """The model fingerprint (`rekv_core.handoff.fingerprint`) and the weights' digest under it: it
 changes with one weight, the dtype, the RoPE theta, the tokenizer, the wire format and a codec's
 version, is the same across loads, and a file's digest is read back from the model cache, not
-computed again, until the file changes."""
+computed again, until the file changes. Two builds agree on a fingerprint only if they write
+its parts alike: the SHA-256 of their JSON with sorted keys and no spaces."""
 
+import hashlib
 from dataclasses import replace
 
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from rekv_core.codecs import BF16Codec
 from rekv_core.handoff import fingerprint
-from rekv_core.handoff.fingerprint import is_fingerprint, model_fingerprint
+from rekv_core.handoff.fingerprint import (fingerprint_of, fingerprint_parts, is_fingerprint,
+                                           model_fingerprint)
 from rekv_core.model import digest, get_preset, load_weights
 from rekv_core.model.conversion_cache import CACHE_ENV
 from rekv_core.model.weights import load_hf_checkpoint, synthetic_weights
@@ -89,7 +92,24 @@ def test_the_embedded_models_digest_is_kept_in_its_cache_entry(smollm_fp32, monk
     assert load_weights("smollm2-135m", torch.float32).digest == expected
 
 
+def test_the_fingerprint_is_the_sha256_of_its_parts_as_canonical_json():
+    assert fingerprint_of({"b": [1, 2], "a": "x"}).hex == hashlib.sha256(
+        b'{"a":"x","b":[1,2]}').hexdigest()
+    parts = fingerprint_parts(SHAPE, "bfloat16", "0" * 64, "")
+    assert set(parts) == {"format", "weights", "shape", "dtype", "tokenizer", "wire",
+                          "layer_header", "codecs"}
+    assert parts["format"] == "rekv-model-fingerprint-1"
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.float32, "float32"),
+                                         (torch.bfloat16, "bfloat16")])
+def test_a_models_fingerprint_names_its_dtype_without_the_module(dtype, name):
+    weights = _weights(dtype=dtype)
+    assert model_fingerprint(weights).parts == fingerprint_parts(
+        SHAPE, name, digest.digest_of(weights), "")
+
+
 @pytest.mark.parametrize("text, ok", [("ab" * 32, True), ("AB" * 32, False), ("ab" * 31, False),
-                                      ("", False), ("zz" * 32, False)])
+                                      ("", False), ("zz" * 32, False), ("X" * 64, False)])
 def test_the_fingerprints_form(text, ok):
     assert is_fingerprint(text) == ok

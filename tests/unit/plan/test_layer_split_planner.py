@@ -8,7 +8,9 @@ import random
 
 import pytest
 
+from rekv_core.codecs import get_codec
 from rekv_core.handoff import Action
+from rekv_core.handoff.action import PROGRESSIVE_CODEC
 from rekv_core.model.shapes import PRESETS, get_preset
 from rekv_core.plan.cost import CostInputs, choose, predict
 from rekv_core.plan.evidence import CodecCost
@@ -92,3 +94,64 @@ def test_the_gate_treats_the_form_as_its_codecs_action():
     assert policy.eligible(Action("int8", 13, 32, layer_split=256))
     assert not policy.eligible(Action("int8", 14, 32, layer_split=256))
     assert Action("bf16", 32, 32, layer_split=256).lossless
+
+
+def test_the_costs_are_read_off_the_inputs():
+    """a, b: a row's bytes over the link's bytes per ms; g: γ's projection share over S; q and
+    α: per MiB of the layer's BF16 K and V; s: the streamed layer's compute and its encoding,
+    the encoding alone after a whole prefill; each codec at its own measured cost."""
+    shape, S = get_preset("llama-2-7b"), 4096
+    costs = {"int8": CodecCost(0.5, 0.25), "bf16": CodecCost(0.125, 0.0625)}
+
+    def split_costs(streamed):
+        inputs = CostInputs(shape, S, 8.0, 3.0, codec_costs=costs, message_ms=0.05,
+                            prefill_ms_per_layer=2.0, streamed=streamed, chunk_tokens=512,
+                            layer_splits=True)
+        return layer_split_costs(inputs, "int8", 7)
+
+    bytes_per_ms = 1e6  # 8 Gb/s
+    kv_mib = 2 * 32 * S * 128 * 2 / 2**20  # one layer's K and V in BF16: 64 MiB
+    coded = get_codec("int8").layer_bytes((32, S, 128))
+    streamed = split_costs(True)
+    assert streamed.input_row_ms == pytest.approx(4096 * 2 / bytes_per_ms, rel=1e-12)
+    assert streamed.kv_row_ms == pytest.approx((coded.data + coded.scales) / S / bytes_per_ms)
+    assert streamed.recompute_row_ms == pytest.approx(3.0 * projection_share(shape, S) / S)
+    assert streamed.restore_row_ms == pytest.approx(0.25 * kv_mib / S)
+    assert streamed.step_ms == pytest.approx(2.0 + 0.5 * kv_mib)
+    assert (streamed.message_ms, streamed.layers) == (0.05, 7)
+    assert split_costs(False).step_ms == pytest.approx(0.5 * kv_mib)
+    with pytest.raises(ValueError, match=r"cut: must lie in \[1, 32\], got 0"):
+        layer_split_costs(_inputs("llama-2-7b"), "int8", 0)
+
+
+def test_the_projection_share_counts_the_fused_qkv_against_the_whole_layer():
+    """SmolLM2-135M (d 576, 9 heads and 3 KV heads of 64, FFN 1,536) at 1,024 tokens: Q, K and V
+    2·576·(576 + 2·3·64) flops a token, against those, O 2·576², the FFN 6·576·1,536 and
+    attention 2·1,024·576."""
+    qkv = 2 * 576 * (576 + 2 * 3 * 64)
+    layer = qkv + 2 * 576 * 576 + 6 * 576 * 1536 + 2 * 1024 * 576
+    assert projection_share(get_preset("smollm2-135m"), 1024) == pytest.approx(qkv / layer)
+
+
+def test_the_brute_force_searches_the_grid_it_is_given():
+    costs = LayerSplitCosts(input_row_ms=1.0, kv_row_ms=2.0, recompute_row_ms=0.5)
+    assert brute_force_layer_split(costs, 1000, block=100) == 900
+
+
+def test_only_plain_actions_of_the_wanted_codecs_are_split_and_keep_their_boundary():
+    """int8 restored dearly and recomputed cheaply: its plain action at cut 16 takes an l > 0;
+    the same cut with a token split, Lynx's streams or an l already, cut 0 and a codec not
+    wanted are left out."""
+    inputs = CostInputs(get_preset("llama-2-7b"), 4096, 5.0, 150.0,
+                        codec_costs={"int8": CodecCost(0.0, 5.0)}, message_ms=0.05,
+                        prefill_ms_per_layer=2.0, streamed=True, chunk_tokens=512,
+                        layer_splits=True)
+    assert best_layer_split(layer_split_costs(inputs, "int8", 16), 4096) > 0
+    plain = Action("int8", 16, 32, boundary="splitzip")
+    others = [Action("int8", 0, 32), Action("int8", 16, 32, split=256),
+              Action(PROGRESSIVE_CODEC, 16, 32, progressive=True),
+              Action("int8", 16, 32, layer_split=256)]
+    (split,) = layer_split_actions(inputs, ["int8"], [*others[:2], plain, *others[2:]])
+    assert split.layer_split > 0
+    assert split == Action("int8", 16, 32, boundary="splitzip", layer_split=split.layer_split)
+    assert not layer_split_actions(inputs, ["bf16"], [plain])

@@ -248,6 +248,42 @@ def test_the_profile_cache_measures_once_then_loads(tiny_model, counted, tmp_pat
     assert counted["profiles"] == 2 and len(list(tmp_path.glob("*.json"))) == 2
 
 
+@pytest.mark.parametrize("verdict, busy, dated", [(True, True, True), (True, False, False),
+                                                  (False, True, True)])
+def test_a_cached_profile_is_checked_against_the_live_layer_and_says_why_it_is_measured_again(
+        tiny_model, counted, tmp_path, monkeypatch, caplog, verdict, busy, dated):
+    """The freshness check gets the cached layer's cost at CHECK_LENGTH, the live layer's, whether
+    the machine is busy now and whether the profile was measured busy; a stale profile is
+    measured again, with a warning that says what disagreed, and a fresh one is loaded. `dated`:
+    the profile says when it was measured, and that it was measured on a busy machine."""
+    cache.cached_profile(tiny_model, ["int8"], tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    kept = json.loads(path.read_text())
+    kept["meta"].update(measured_busy=dated, measured_at="2026-01-02T03:04:05+00:00")
+    if not dated:
+        del kept["meta"]["measured_at"]
+    path.write_text(json.dumps(kept))
+    cached_ms = LayerCost(kept["layer_ms"]["lengths"], kept["layer_ms"]["ms"]).at(
+        cache.CHECK_LENGTH)
+    timed, checked = [], []
+    monkeypatch.setattr(cache, "live_layer_ms",
+                        lambda model, length=cache.CHECK_LENGTH: timed.append(model) or 123.0)
+    monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: busy)
+    monkeypatch.setattr(cache, "stale", lambda *args: checked.append(args) or verdict)
+    with caplog.at_level(logging.WARNING, logger="rekv.plan.profile_cache"):
+        profile = cache.cached_profile(tiny_model, ["int8"], tmp_path)
+    assert timed == [tiny_model] and checked == [(cached_ms, 123.0, busy, dated)]
+    assert counted["profiles"] == (2 if verdict else 1)
+    assert profile.meta["source"] == ("measured" if verdict else "cache")
+    warned = (f"profile cache: {path} is stale (one layer at {cache.CHECK_LENGTH} tokens: "
+              f"123.00 ms now, {cached_ms:.2f} ms in the profile measured "
+              + ("2026-01-02T03:04:05+00:00 on a busy machine" if dated else "?")
+              + "; the machine is "
+              f"{'busy' if busy else 'idle'} now): "
+              f"measuring again")
+    assert [r.getMessage() for r in caplog.records] == ([warned] if verdict else [])
+
+
 def test_the_cache_keeps_the_least_of_its_rounds(tiny_model, tmp_path, monkeypatch):
     """A round slowed down by another process's work is not what the cache keeps."""
     from rekv_core.plan.profile import Profile
