@@ -190,6 +190,14 @@ def test_the_book_remembers_which_transfers_ended_and_when():
     assert [t.transfer_id for t in book.live()] == ["live"]
 
 
+def test_a_book_remembers_the_last_1024_by_default():
+    book = TransferBook()
+    before = time.monotonic()
+    for n in range(1025):
+        Transfer(str(n), book=book).fail("ended")
+    assert book.left_since(before) == [str(n) for n in range(1, 1025)]
+
+
 def test_a_hold_without_a_cancel_ends_after_its_time():
     """Not cancelled, a hold still returns once its time is up: it never waits unbounded."""
     transfer = Transfer("t")

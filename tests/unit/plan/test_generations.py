@@ -11,6 +11,7 @@ import pytest
 
 from rekv_core.codecs import get_codec
 from rekv_core.eval.generation_set import CHAT, CODE, GenerationPrompt, generation_prompts
+from rekv_core.plan import generations
 from rekv_core.plan.gate import GateConfig, regate_generations, run_gate
 from rekv_core.plan.generations import GenerationFloor, GenerationScore, largest_passing_cut
 from rekv_core.plan.policy import Policy, deployed_codec
@@ -100,7 +101,11 @@ def test_bisection_finds_the_largest_passing_cut_and_checks_below_it():
 
 
 def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_it(
-        smollm_bf16, tokenizer):
+        smollm_bf16, tokenizer, monkeypatch):
+    searched, search = [], generations.largest_passing_cut
+    monkeypatch.setattr(generations, "largest_passing_cut",
+                        lambda passes, high, *verify: searched.append(verify)
+                        or search(passes, high, *verify))
     verdict = {"eligible": True, "reasons": [], "bf16_perplexity": 10.0}
     policy = Policy("smollm2-135m", (1, 2048), {"coarse": 30, "splitzip": 30},
                     verdicts=[{"codec": "coarse", "cut": 30, **verdict},
@@ -113,6 +118,8 @@ def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_i
     assert record["max_cut_before"] == 30 and record["max_cut"] == regated.max_cut["coarse"]
     assert all(e["passed"] for e in record["evaluated"] if e["cut"] <= record["max_cut"])
     assert not any(e["passed"] for e in record["evaluated"] if e["cut"] > record["max_cut"])
+    # the search it ran: bisection, then one check below the cut found (`verify`'s default)
+    assert searched == [(1,)] and "then 1 check(s) below" in regated.meta.generation["search"]
     verdicts = {v["codec"]: v for v in regated.verdicts}
     assert verdicts["splitzip"]["eligible"] and not verdicts["coarse"]["eligible"]
     assert "before token 16" in verdicts["coarse"]["reasons"][0]

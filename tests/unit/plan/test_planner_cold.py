@@ -193,6 +193,24 @@ def test_exploration_never_tries_a_far_action():
         assert decision.action == allowed[0].action and decision.rule is Rule.BEST
 
 
+def test_exploration_weighs_a_candidates_load_and_takes_one_at_its_bound():
+    """A candidate is near while its time plus the wait it puts on the queue is at most
+    EXPLORE_FACTOR times best's: a quick one whose load pushes it past is not tried, one exactly
+    at the bound is."""
+    from rekv_core.plan.cost import Prediction
+
+    def ranked(cut, total_ms, load_ms):
+        prediction = Prediction(Action("bf16", cut, 30), total_ms, 0.0, 0.0, 0.0, 0.0, 0,
+                                load_ms=load_ms)
+        return plan.Ranked(prediction, total_ms)
+
+    best = ranked(30, 100.0, 0.0)
+    known = plan._Known(Evidence())
+    loaded, at_bound = ranked(20, 100.0, 60.0), ranked(10, 140.0, 10.0)
+    assert plan._exploration([best, loaded, at_bound], known, best) is at_bound
+    assert plan._exploration([best, loaded], known, best) is None
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     torch.manual_seed(0)
