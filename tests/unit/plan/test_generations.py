@@ -121,8 +121,29 @@ def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_i
     # the search it ran: bisection, then one check below the cut found (`verify`'s default)
     assert searched == [(1,)] and "then 1 check(s) below" in regated.meta.generation["search"]
     verdicts = {v["codec"]: v for v in regated.verdicts}
-    assert verdicts["splitzip"]["eligible"] and not verdicts["coarse"]["eligible"]
+    assert verdicts["splitzip"]["eligible"] and verdicts["coarse"]["eligible"] is False
     assert "before token 16" in verdicts["coarse"]["reasons"][0]
+
+
+def test_regating_prefills_its_references_with_the_window_its_codecs_rank_by(monkeypatch):
+    """The references carry the token scores of the importance window of the codecs regated
+    (`codecs`; None: every one) that have a cut: spectrum30's, and none for int8 alone."""
+    windows = []
+
+    class Stop(Exception):
+        pass
+
+    def references(model, prompts, tokens, importance_window=0):
+        windows.append(importance_window)
+        raise Stop
+
+    monkeypatch.setattr(generations, "references", references)
+    policy = Policy("smollm2-135m", (1, 2048), {"spectrum30": 30, "int8": 30, "int4": 0})
+    for codecs in (None, ["int8"], ["spectrum30"], ["int4", "int8"]):
+        with pytest.raises(Stop):
+            regate_generations(None, policy, [], GateConfig(), get_codec, codecs=codecs)
+    window = get_codec("spectrum30").importance_window
+    assert window > 0 and windows == [window, 0, window, 0]
 
 
 def test_the_calibration_set_holds_code_chat_prose_and_a_passkey(tokenizer):
