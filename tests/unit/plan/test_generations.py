@@ -7,6 +7,8 @@ fault), which leaves BF16's greedy output at once on every machine. A real lossy
 checked only for what holds wherever it runs: its verdict is the floor's on its own divergences.
 """
 
+from types import SimpleNamespace
+
 import pytest
 
 from rekv_core.codecs import get_codec
@@ -144,6 +146,34 @@ def test_regating_prefills_its_references_with_the_window_its_codecs_rank_by(mon
             regate_generations(None, policy, [], GateConfig(), get_codec, codecs=codecs)
     window = get_codec("spectrum30").importance_window
     assert window > 0 and windows == [window, 0, window, 0]
+
+
+def test_regating_searches_each_lossy_codec_it_is_given_that_has_a_cut(monkeypatch):
+    """Each codec of `codecs` that is lossy and has a max cut is searched, scored on the model's
+    references with the gate's rebuild and floor; the rest keep their max cut and get no
+    record. Scores here pass up to cut 12."""
+    from rekv_core.plan import gate
+
+    model, scored = object(), []
+    refs = [SimpleNamespace(prompt=SimpleNamespace(kind="chat", ids=[1, 2, 3]))]
+    config = GateConfig(generation_tokens=16)
+
+    def score(*args):
+        scored.append(args)
+        cut = args[3]
+        return GenerationScore(("chat",), (16 if cut <= 12 else 0,), 16)
+
+    monkeypatch.setattr(generations, "references", lambda *args: refs)
+    monkeypatch.setattr(generations, "score", score)
+    policy = Policy("smollm2-135m", (1, 2048), {"int4": 0, "int8": 30, "splitzip": 30,
+                                                "int4h": 30})
+    regated = regate_generations(model, policy, [], config, get_codec,
+                                 codecs=["int4", "int8", "splitzip"])
+    assert regated.max_cut == {"int4": 0, "int8": 12, "splitzip": 30, "int4h": 30}
+    assert set(regated.meta.generation["codecs"]) == {"int8"}
+    assert scored and all(args[0] is model and args[1] is refs and args[2].name == "int8"
+                          and args[4] is gate.reconstructed_cache and args[5] == config.floor
+                          for args in scored)
 
 
 def test_the_calibration_set_holds_code_chat_prose_and_a_passkey(tokenizer):
