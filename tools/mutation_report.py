@@ -99,7 +99,8 @@ def begin(report_json: Path) -> None:
     restoring `report_json`'s results into mutants/ where it holds none (`restore`)."""
     recorded = json.loads(report_json.read_text(encoding="utf-8")) if report_json.exists() else {}
     if not RUNS.exists() and "state" in recorded:
-        print(f"restored {restore(recorded)} mutants' results from {report_json}")
+        restored = restore(recorded, read_triage(TRIAGE))
+        print(f"restored {restored} mutants' results from {report_json}")
     MUTANTS.mkdir(exist_ok=True)
     runs = json.loads(RUNS.read_text()) if RUNS.exists() else []
     runs.append(provenance(ROOT, measures=MEASURES))
@@ -122,10 +123,12 @@ def state() -> dict[str, dict]:
     return out
 
 
-def restore(report_data: dict) -> int:
+def restore(report_data: dict, verdicts: dict[str, str]) -> int:
     """Writes `report_data`'s runs and `state` into mutants/ as mutmut's `.meta` files; returns
     how many mutants' results it restored. mutmut keeps a result only while its function's hash
-    is the one recorded (it drops the rest when it generates the mutants)."""
+    is the one recorded (it drops the rest when it generates the mutants). A mutant recorded as
+    not caught whose verdict says a test kills it is left out, so the run tests it again and the
+    report shows whether the test does."""
     MUTANTS.mkdir(exist_ok=True)
     RUNS.write_text(json.dumps(report_data.get("runs", []), indent=1) + "\n")
     restored = 0
@@ -133,8 +136,10 @@ def restore(report_data: dict) -> int:
         data = SourceFileMutationData(path=path)
         prefix = _module(Path(path)) + "."
         data.hash_by_function_name = dict(recorded["hashes"])
-        data.exit_code_by_key = {prefix + name: code
-                                 for name, code in recorded["exit_codes"].items()}
+        data.exit_code_by_key = {
+            prefix + name: code for name, code in recorded["exit_codes"].items()
+            if status_by_exit_code[code] in CAUGHT
+            or not verdicts.get(prefix + name, "").startswith("killed by")}
         data.meta_path.parent.mkdir(parents=True, exist_ok=True)
         data.save()
         restored += len(data.exit_code_by_key)

@@ -150,30 +150,52 @@ def test_regating_prefills_its_references_with_the_window_its_codecs_rank_by(mon
 
 def test_regating_searches_each_lossy_codec_it_is_given_that_has_a_cut(monkeypatch):
     """Each codec of `codecs` that is lossy and has a max cut is searched, scored on the model's
-    references with the gate's rebuild and floor; the rest keep their max cut and get no
-    record. Scores here pass up to cut 12."""
+    references with the gate's rebuild and floor, each step reported; the rest keep their max
+    cut and get no record. The verdicts above the cut found turn ineligible, with the floor's
+    reasons where that cut was scored; the others keep theirs. Scores here pass up to cut 12."""
     from rekv_core.plan import gate
 
-    model, scored = object(), []
+    model, scored, said = object(), [], []
     refs = [SimpleNamespace(prompt=SimpleNamespace(kind="chat", ids=[1, 2, 3]))]
     config = GateConfig(generation_tokens=16)
+    passing, failing = (GenerationScore(("chat",), (d,), 16) for d in (16, 0))
 
     def score(*args):
         scored.append(args)
-        cut = args[3]
-        return GenerationScore(("chat",), (16 if cut <= 12 else 0,), 16)
+        return passing if args[3] <= 12 else failing
 
     monkeypatch.setattr(generations, "references", lambda *args: refs)
     monkeypatch.setattr(generations, "score", score)
+    verdicts = [{"codec": codec, "cut": cut, "eligible": eligible, "reasons": reasons}
+                for codec, cut, eligible, reasons in [
+                    ("int8", 12, True, []), ("int8", 13, True, []), ("int8", 20, True, []),
+                    ("int8", 25, False, ["x"]), ("int4h", 30, True, [])]]
     policy = Policy("smollm2-135m", (1, 2048), {"int4": 0, "int8": 30, "splitzip": 30,
-                                                "int4h": 30})
-    regated = regate_generations(model, policy, [], config, get_codec,
+                                                "int4h": 30}, verdicts=verdicts)
+    regated = regate_generations(model, policy, [], config, get_codec, progress=said.append,
                                  codecs=["int4", "int8", "splitzip"])
     assert regated.max_cut == {"int4": 0, "int8": 12, "splitzip": 30, "int4h": 30}
-    assert set(regated.meta.generation["codecs"]) == {"int8"}
     assert scored and all(args[0] is model and args[1] is refs and args[2].name == "int8"
                           and args[4] is gate.reconstructed_cache and args[5] == config.floor
                           for args in scored)
+    cuts = [args[3] for args in scored]
+    fails = "; ".join(config.floor.reasons(failing))
+    assert fails and said == [f"int8 at cut {c}: " + ("passes" if c <= 12 else fails)
+                              for c in cuts]
+    record = regated.meta.generation
+    assert set(record["codecs"]) == {"int8"}
+    assert record["codecs"]["int8"] == {
+        "max_cut_before": 30, "max_cut": 12, "monotone": True,
+        "evaluated": [{"cut": c, "passed": c <= 12, **(passing if c <= 12 else failing).to_json()}
+                      for c in sorted(cuts)]}
+    assert (record["tokens"], record["prompts"]) == (16, [{"kind": "chat", "tokens": 3}])
+    assert regated.verdicts == [
+        {**verdicts[0], **passing.to_json()},
+        {**verdicts[1], **failing.to_json(), "eligible": False,
+         "reasons": config.floor.reasons(failing)},
+        {**verdicts[2], "eligible": False,
+         "reasons": ["above cut 12, the largest whose generations meet the floor"]},
+        verdicts[3], verdicts[4]]
 
 
 def test_the_calibration_set_holds_code_chat_prose_and_a_passkey(tokenizer):
