@@ -126,9 +126,10 @@ def state() -> dict[str, dict]:
 def restore(report_data: dict, verdicts: dict[str, str]) -> int:
     """Writes `report_data`'s runs and `state` into mutants/ as mutmut's `.meta` files; returns
     how many mutants' results it restored. mutmut keeps a result only while its function's hash
-    is the one recorded (it drops the rest when it generates the mutants). A mutant recorded as
-    not caught whose verdict says a test kills it is left out, so the run tests it again and the
-    report shows whether the test does."""
+    is the one recorded (it drops the rest when it generates the mutants). A mutant whose verdict
+    says a test kills it but that is recorded otherwise than killed (it survived, or timed out
+    under a limit since found too short) is left out, so the run tests it again and the report
+    shows whether the test kills it."""
     MUTANTS.mkdir(exist_ok=True)
     RUNS.write_text(json.dumps(report_data.get("runs", []), indent=1) + "\n")
     restored = 0
@@ -138,7 +139,7 @@ def restore(report_data: dict, verdicts: dict[str, str]) -> int:
         data.hash_by_function_name = dict(recorded["hashes"])
         data.exit_code_by_key = {
             prefix + name: code for name, code in recorded["exit_codes"].items()
-            if status_by_exit_code[code] in CAUGHT
+            if status_by_exit_code[code] == "killed"
             or not verdicts.get(prefix + name, "").startswith("killed by")}
         data.meta_path.parent.mkdir(parents=True, exist_ok=True)
         data.save()

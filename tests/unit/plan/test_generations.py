@@ -100,6 +100,7 @@ def test_bisection_finds_the_largest_passing_cut_and_checks_below_it():
     holes = largest_passing_cut(lambda cut: cut != 6 and cut <= 18, 30, verify=2)
     assert not holes.monotone and holes.max_cut == 5
     assert largest_passing_cut(lambda cut: False, 0).max_cut == 0
+    assert largest_passing_cut(lambda cut: True, 1).max_cut == 1
 
 
 def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_it(
@@ -175,6 +176,8 @@ def test_regating_searches_each_lossy_codec_it_is_given_that_has_a_cut(monkeypat
     regated = regate_generations(model, policy, [], config, get_codec, progress=said.append,
                                  codecs=["int4", "int8", "splitzip"])
     assert regated.max_cut == {"int4": 0, "int8": 12, "splitzip": 30, "int4h": 30}
+    assert (regated.model, regated.prompt_len_range, regated.epsilon) == (
+        policy.model, policy.prompt_len_range, policy.epsilon)
     assert scored and all(args[0] is model and args[1] is refs and args[2].name == "int8"
                           and args[4] is gate.reconstructed_cache and args[5] == config.floor
                           for args in scored)
