@@ -28,12 +28,12 @@ import pytest  # noqa: E402
 from rekv_core.model import Model, embedded_gguf_path, load_weights  # noqa: E402
 from rekv_core.model.tokenizer import GGUFTokenizer  # noqa: E402
 
+# mutmut sets it in each of its processes (`make mutate`)
+UNDER_MUTMUT = bool(os.environ.get("MUTANT_UNDER_TEST"))
 # two threads at most, and the cores shared out among pytest-xdist's workers (`make test` runs two)
 # or mutmut's (a mutant to each core: one thread each)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
-if os.environ.get("MUTANT_UNDER_TEST"):
-    THREADS = 1
+THREADS = 1 if UNDER_MUTMUT else max(1, min(2, (os.cpu_count() or 1) // WORKERS))
 torch.set_num_threads(THREADS)
 
 SYSTEM = Path(__file__).resolve().parent / "system"
@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.system)
         if path.relative_to(root).as_posix() in NUMERICS:
             item.add_marker(pytest.mark.numerics)
-    if os.environ.get("MUTANT_UNDER_TEST"):
+    if UNDER_MUTMUT:
         items[:] = _fastest_first(items, Path("mutmut-stats.json"))
 
 
@@ -105,7 +105,7 @@ def _load_tokenizer() -> GGUFTokenizer:
 # (copy-on-write) instead of spending about ten seconds loading them again. With one torch thread
 # (THREADS) no OpenMP pool has started, so the fork is safe.
 PRELOADED: dict = {}
-if os.environ.get("MUTANT_UNDER_TEST"):
+if UNDER_MUTMUT:
     PRELOADED["fp32"] = _load_fp32()
     PRELOADED["bf16"] = _cast_bf16(PRELOADED["fp32"])
     PRELOADED["tokenizer"] = _load_tokenizer()
