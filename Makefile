@@ -79,13 +79,16 @@ demo: $(VENV)/.runtime
 # The suite runs on TEST_WORKERS pytest-xdist workers, a test file to a worker (--dist loadfile:
 # a module's services start once). Half of a serial run's time waits on the processes a test
 # starts, so two workers take about a fifth off on two cores (each worker's torch then has one
-# thread: tests/conftest.py shares the cores out); TEST_WORKERS=0 runs it serially.
+# thread: tests/conftest.py shares the cores out); TEST_WORKERS=0 runs it serially. The files go
+# out longest first, as tests/file_seconds.json measured them (`--no-loadscope-reorder` keeps
+# that order; refresh the table with tools/file_seconds.py from a `--durations=0` run).
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(VENV)/.test $(TOOLS)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
+	$(BIN)/python -m pytest -q $(XDIST) --durations=25
 
 test-fast: $(VENV)/.test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests/unit
+	$(BIN)/python -m pytest -q $(XDIST) tests/unit
 
 # The numerics tests (tests/conftest.py NUMERICS) under each instruction set torch's and oneDNN's
 # kernels can be held to below this CPU's own (which `make test` runs): .ci/test-isa.sh.

@@ -1,6 +1,7 @@
 """Shared fixtures, the `system` marker on every test under tests/system (so `-m "not system"`
 and `pytest tests/unit` select the same tests) and the `numerics` marker on the files of NUMERICS
-(`make test-isa` runs them under each instruction set the CPU's kernels can be held to). Under
+(`make test-isa` runs them under each instruction set the CPU's kernels can be held to), the
+test files in the order of their measured time, longest first (`_slowest_files_first`). Under
 `make mutate` a mutant's tests run fastest first (`_fastest_first`), on one torch thread, with the
 embedded model loaded before mutmut forks (`PRELOADED`). Triton runs in interpreter
 mode on machines without CUDA; that must be decided before anything imports triton."""
@@ -37,6 +38,7 @@ THREADS = 1 if UNDER_MUTMUT else max(1, min(2, (os.cpu_count() or 1) // WORKERS)
 torch.set_num_threads(THREADS)
 
 SYSTEM = Path(__file__).resolve().parent / "system"
+FILE_SECONDS = SYSTEM.parent / "file_seconds.json"
 # The tests whose verdict rests on floating-point results of the real model's layers: exactness
 # where the code promises it, bounds and agreement with the same machine's reference elsewhere.
 # Which kernels torch and oneDNN pick (and so every BF16 rounding) changes with the CPU's
@@ -61,6 +63,24 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.numerics)
     if UNDER_MUTMUT:
         items[:] = _fastest_first(items, Path("mutmut-stats.json"))
+    else:
+        items[:] = _slowest_files_first(items, FILE_SECONDS)
+
+
+def _slowest_files_first(items: list, costs: Path) -> list:
+    """`items` file by file, the files in the order of their measured seconds (`costs`, written by
+    tools/file_seconds.py), longest first, files it does not know before them all; within a file
+    the order stands. `make test` hands the files to its pytest-xdist workers in this order
+    (`--no-loadscope-reorder`), so that no long file starts last and runs alone at the end."""
+    try:
+        seconds = json.loads(costs.read_text())["seconds_by_file"]
+    except (OSError, ValueError, KeyError):
+        return items
+    rank = {}
+    for item in items:
+        name = item.nodeid.split("::", 1)[0]
+        rank.setdefault(name, (-seconds.get(name, float("inf")), len(rank)))
+    return sorted(items, key=lambda item: rank[item.nodeid.split("::", 1)[0]])
 
 
 def _fastest_first(items: list, stats: Path) -> list:

@@ -17,6 +17,10 @@ from tests.support.paths import ROOT
 SCRIPT = ROOT / "bench" / "reliability_load.py"
 BURST, REQUESTS = 32, 40
 THREAD_SLACK = 4  # threads a service may start after the burst (not one per request)
+# Only a hang may fail a request here, not a slow machine: beside another test worker, the decode
+# worker's UCX loop (nice 19) gets little of a core, and a burst took 60 s on one CI machine and
+# 86 s here beside two busy processes (37 s with REKV_UCX_LOOP_NICE=0).
+DEADLINE_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def result(bench, tmp_path_factory):
     args = bench.parse_args([
         "--burst", str(BURST), "--requests", str(REQUESTS), "--concurrency", "8",
         "--prompt-tokens", "16,32", "--prompts", "8", "--max-new-tokens", "2",
-        "--deadline-s", "60", "--wikitext", str(text),
+        "--deadline-s", str(DEADLINE_S), "--wikitext", str(text),
         "--log-dir", str(tmp_path_factory.mktemp("reliability-services"))])
     return bench.run(args)
 
@@ -68,8 +72,10 @@ def test_lossless_requests_match_the_reference(result):
 
 def test_every_forced_action_was_used_as_asked(bench, result):
     forced = {label: f"{f[0]}/{f[1]}" for label, f in bench.MIX if f is not None}
-    for r in result["requests"]:
-        if r["label"] in forced and not r["fallback"]:
+    asked = [r for r in result["requests"] if r["label"] in forced and r["status"] == "OK"]
+    assert asked  # a failed request is test_every_request_completes's finding, not this one's
+    for r in asked:
+        if not r["fallback"]:
             assert r["action"] == forced[r["label"]], r
 
 

@@ -121,6 +121,7 @@ def test_the_map_check_catches_a_stray_file(tmp_path):
                                            ("unit/system/test_x.py", False)])
 def test_the_system_marker_follows_the_folder(where, marked):
     added = []
-    item = SimpleNamespace(path=TESTS / where, add_marker=added.append)
+    item = SimpleNamespace(path=TESTS / where, nodeid=f"tests/{where}::test",
+                           add_marker=added.append)
     pytest_collection_modifyitems([item])
     assert [m.name for m in added] == (["system"] if marked else [])

@@ -1,0 +1,77 @@
+"""The services' lifecycle as real processes: a decode worker whose prefill replica is not there
+serves by recomputing locally, and SIGTERM while requests run ends each one correctly or with a
+clear status, both processes exiting 0. The answers are checked against the single-process BF16
+reference, which serves as test_services_e2e.py's does."""
+
+import threading
+
+import grpc
+import pytest
+import torch
+
+from rekv_cli.client import generate
+from rekv_cli.launcher import ServicePair, ServiceProcess
+from rekv_core.model import Model, greedy_generate, load_weights
+
+PROMPTS = ("The capital of France is",
+           "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    model = Model(load_weights("smollm2-135m", torch.bfloat16))
+
+    def tokens(prompt: str, n: int) -> list[int]:
+        return greedy_generate(model, tokenizer.encode(prompt), n, tokenizer.eos_token_id)
+
+    return tokens
+
+
+def test_unreachable_prefill_falls_back_to_local_recompute(tmp_path, reference):
+    """No prefill service at the configured address: the request still completes, from a cache
+    the decode worker computed itself, and says so."""
+    decode = ServiceProcess("decode", ["--prefill-address", "127.0.0.1:1", "--dtype",
+                                       "bfloat16", "--torch-threads",
+                                       str(torch.get_num_threads())], tmp_path)
+    try:
+        info = decode.wait_ready(300)
+        with grpc.insecure_channel(info["grpc"]) as channel:
+            result = generate(channel, "orphan", PROMPTS[0], 8)
+    finally:
+        assert decode.stop() == 0
+    assert result.summary.fallback and "UNAVAILABLE" in result.summary.fallback_reason
+    assert result.summary.action_kind == "token_recompute"
+    assert result.token_ids == reference(PROMPTS[0], 8)
+
+
+def test_sigterm_finishes_or_cleanly_fails_in_flight_requests(tmp_path, reference):
+    """SIGTERM while requests are running: each one completes correctly or ends with a clear
+    status, never a wrong answer, and both processes exit 0."""
+    settings = ["--dtype", "bfloat16", "--torch-threads", str(torch.get_num_threads()),
+                "--shutdown-grace-s", "30"]
+    pair = ServicePair(settings, settings, log_dir=tmp_path)
+    outcomes = []
+
+    def call(index):
+        with grpc.insecure_channel(pair.decode_address) as channel:
+            try:
+                outcomes.append(("ok", index, generate(channel, f"drain-{index}", PROMPTS[1], 32,
+                                                       ("int8", 15)).token_ids))
+            except grpc.RpcError as exc:
+                outcomes.append(("error", index, exc.code()))
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    threading.Event().wait(1.0)  # both requests are in flight
+    codes = pair.stop()
+    for thread in threads:
+        thread.join(60)
+    assert codes == {"decode": 0, "prefill": 0}
+    assert len(outcomes) == 2
+    for kind, _, result in outcomes:
+        if kind == "ok":
+            assert len(result) == 32 and result[0] == reference(PROMPTS[1], 1)[0]
+        else:
+            assert result in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    assert any(kind == "ok" for kind, _, _ in outcomes)  # the grace period let them finish
