@@ -84,7 +84,9 @@ demo: $(VENV)/.runtime
 # that order; refresh the table with tools/file_seconds.py from a `--durations=0` run).
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
-test: $(VENV)/.test $(TOOLS)
+# The venv and the tools install side by side (most of either waits on downloads and disk).
+test:
+	$(MAKE) -j2 $(VENV)/.test $(TOOLS)
 	$(BIN)/python -m pytest -q $(XDIST) --durations=25
 
 test-fast: $(VENV)/.test

@@ -28,7 +28,7 @@ def _bench(tmp_path, *extra):
     out, png = tmp_path / "link.json", tmp_path / "link.png"
     result = subprocess.run(
         [sys.executable, "-m", "rekv_cli", "bench", "link", "--prompt-len", "32",
-         "--link-gbps", "2", "--cuts", "15", "--warmups", "1", "--runs", "2", "--json", str(out),
+         "--link-gbps", "2", "--cuts", "15", "--warmups", "0", "--runs", "2", "--json", str(out),
          "--plot", str(png), "--log-dir", str(tmp_path / "logs"), *extra],
         capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
