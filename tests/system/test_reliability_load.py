@@ -17,9 +17,8 @@ from tests.support.paths import ROOT
 SCRIPT = ROOT / "bench" / "reliability_load.py"
 BURST, REQUESTS = 32, 40
 THREAD_SLACK = 4  # threads a service may start after the burst (not one per request)
-# Only a hang may fail a request here, not a slow machine: beside another test worker, the decode
-# worker's UCX loop (nice 19) gets little of a core, and a burst took 60 s on one CI machine and
-# 86 s here beside two busy processes (37 s with REKV_UCX_LOOP_NICE=0).
+# Only a hang may fail a request here, not a slow machine: beside another test worker the decode
+# worker's UCX loop (nice 19) gets little of a core, and on one CI machine the burst outlasted 60 s.
 DEADLINE_S = 600
 
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from rekv_core.handoff import Action, wire_bytes
-from rekv_core.model import Model, get_preset, greedy_generate, load_weights
+from rekv_core.model import get_preset
 from rekv_core.plan.planner import Planner
 from rekv_core.plan.policy import shipped_policy
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair
 from services.decode.prefill_pool import PrefillPool
+from tests.support.reference import greedy_reference
 from tests.support.service_logs import logged_at, wait_for_line
 
 SHAPE = get_preset("smollm2-135m")
@@ -49,17 +50,7 @@ def services(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tokenizer):
-    model = Model(load_weights("smollm2-135m", torch.bfloat16))
-    cache = {}
-
-    def tokens(prompt: str, n: int, stop_at_eos: bool = True) -> list[int]:
-        if (prompt, n, stop_at_eos) not in cache:
-            cache[prompt, n, stop_at_eos] = greedy_generate(
-                model, tokenizer.encode(prompt), n,
-                tokenizer.eos_token_id if stop_at_eos else None)
-        return cache[prompt, n, stop_at_eos]
-
-    return tokens
+    return greedy_reference(tokenizer)
 
 
 def _run(services, request_id, prompt, n, forced=None, **kwargs):

@@ -1,7 +1,7 @@
 """The services' lifecycle as real processes: a decode worker whose prefill replica is not there
 serves by recomputing locally, and SIGTERM while requests run ends each one correctly or with a
 clear status, both processes exiting 0. The answers are checked against the single-process BF16
-reference, which serves as test_services_e2e.py's does."""
+reference (tests/support/reference.py), as in test_services_e2e.py."""
 
 import threading
 
@@ -11,7 +11,7 @@ import torch
 
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair, ServiceProcess
-from rekv_core.model import Model, greedy_generate, load_weights
+from tests.support.reference import greedy_reference
 
 PROMPTS = ("The capital of France is",
            "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n")
@@ -19,12 +19,7 @@ PROMPTS = ("The capital of France is",
 
 @pytest.fixture(scope="module")
 def reference(tokenizer):
-    model = Model(load_weights("smollm2-135m", torch.bfloat16))
-
-    def tokens(prompt: str, n: int) -> list[int]:
-        return greedy_generate(model, tokenizer.encode(prompt), n, tokenizer.eos_token_id)
-
-    return tokens
+    return greedy_reference(tokenizer)
 
 
 def test_unreachable_prefill_falls_back_to_local_recompute(tmp_path, reference):
