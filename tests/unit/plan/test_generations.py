@@ -98,7 +98,9 @@ def test_bisection_finds_the_largest_passing_cut_and_checks_below_it():
     assert largest_passing_cut(lambda cut: True, 30).evaluated == {30: True, 10: True, 20: True}
     # a cut below the one bisection found fails: the max cut drops below it
     holes = largest_passing_cut(lambda cut: cut != 6 and cut <= 18, 30, verify=2)
-    assert not holes.monotone and holes.max_cut == 5
+    assert holes.monotone is False and holes.max_cut == 5
+    # cut 0 quantizes nothing: never evaluated, even when the cut found is 1
+    assert 0 not in largest_passing_cut(lambda cut: cut <= 1, 30).evaluated
     assert largest_passing_cut(lambda cut: False, 0).max_cut == 0
     assert largest_passing_cut(lambda cut: True, 1).max_cut == 1
 
@@ -123,6 +125,12 @@ def test_regating_lowers_a_failing_codecs_max_cut_and_marks_the_verdicts_above_i
     assert not any(e["passed"] for e in record["evaluated"] if e["cut"] > record["max_cut"])
     # the search it ran: bisection, then one check below the cut found (`verify`'s default)
     assert searched == [(1,)] and "then 1 check(s) below" in regated.meta.generation["search"]
+    # and what it judged by: the floor, the tokens generated, the prompts
+    prompt = _prompts(tokenizer)[0]
+    assert regated.meta.generation["floor"] == GateConfig(generation_tokens=16).floor.to_json()
+    assert regated.meta.generation["tokens"] == 16
+    assert regated.meta.generation["prompts"] == [{"kind": prompt.kind,
+                                                   "tokens": len(prompt.ids)}]
     verdicts = {v["codec"]: v for v in regated.verdicts}
     assert verdicts["splitzip"]["eligible"] and verdicts["coarse"]["eligible"] is False
     assert "before token 16" in verdicts["coarse"]["reasons"][0]

@@ -14,7 +14,7 @@ from rekv_core.handoff.action import PROGRESSIVE_CODEC
 from rekv_core.model.shapes import PRESETS, get_preset
 from rekv_core.plan.cost import CostInputs, choose, predict
 from rekv_core.plan.evidence import CodecCost
-from rekv_core.plan.layer_split import (LayerSplitCosts, best_layer_split,
+from rekv_core.plan.layer_split import (LayerSplitCosts, allowed_layer_splits, best_layer_split,
                                         brute_force_layer_split, layer_split_actions,
                                         layer_split_costs, layer_split_time, projection_share)
 from rekv_core.plan.policy import Policy
@@ -155,3 +155,47 @@ def test_only_plain_actions_of_the_wanted_codecs_are_split_and_keep_their_bounda
     assert split.layer_split > 0
     assert split == Action("int8", 16, 32, boundary="splitzip", layer_split=split.layer_split)
     assert not layer_split_actions(inputs, ["bf16"], [plain])
+
+
+def test_the_closed_form_finds_an_optimum_only_one_crossing_points_to():
+    """Two points where the grid's best l neighbours one crossing alone, off the grid: r = s at
+    l = 3,000 (w = s at 1,849 and w = r at 2,276 point elsewhere), and w = s at l = 0.5, inside
+    the first block (the other crossing points to the grid's last l)."""
+    r_meets_s = LayerSplitCosts(input_row_ms=0.0, kv_row_ms=1.7e-3, recompute_row_ms=1.2e-3,
+                                restore_row_ms=2e-4, step_ms=3.8192, layers=10)
+    assert best_layer_split(r_meets_s, 4096) == brute_force_layer_split(r_meets_s, 4096) == 2816
+    w_meets_s_at_once = LayerSplitCosts(input_row_ms=0.5, kv_row_ms=1.0,
+                                        recompute_row_ms=0.7005, restore_row_ms=0.2,
+                                        step_ms=1024 - 0.25, layers=10)
+    assert best_layer_split(w_meets_s_at_once, 1024) == 256
+    assert brute_force_layer_split(w_meets_s_at_once, 1024) == 256
+
+
+def test_the_closed_form_searches_the_grid_it_is_given():
+    costs = LayerSplitCosts(input_row_ms=1.0, kv_row_ms=2.0, recompute_row_ms=0.5)
+    assert best_layer_split(costs, 1000, block=100) == 900
+
+
+def test_one_message_at_l_0_two_above_and_the_slowest_stage_paces_the_rest():
+    one = LayerSplitCosts(input_row_ms=1.0, kv_row_ms=2.0, recompute_row_ms=0.5,
+                          message_ms=3.0)
+    assert layer_split_time(one, 100, 0) == 2.0 * 100 + 3.0
+    assert layer_split_time(one, 100, 10) == 1.0 * 10 + 2.0 * 90 + 2 * 3.0 + 0.5 * 10
+    # three layers: s + w + r, then two more of the slowest stage, whichever it is
+    step_bound = LayerSplitCosts(1.0, 1.0, 1.0, step_ms=500.0, layers=3)
+    assert layer_split_time(step_bound, 100, 50) == 500.0 + 100 + 50 + 2 * 500.0
+    recompute_bound = LayerSplitCosts(1.0, 1.0, 9.0, layers=3)
+    assert layer_split_time(recompute_bound, 100, 50) == 100 + 450 + 2 * 450
+
+
+def test_the_grid_and_the_time_model_name_what_is_out_of_range():
+    assert allowed_layer_splits(1) == [0]
+    assert allowed_layer_splits(3, block=1) == [0, 1, 2]
+    for seq_len, block in ((0, 256), (5, 0)):
+        with pytest.raises(ValueError, match=rf"^seq_len, block: must be positive, got "
+                                             rf"{seq_len}, {block}$"):
+            allowed_layer_splits(seq_len, block)
+    costs = LayerSplitCosts(input_row_ms=1.0, kv_row_ms=2.0, recompute_row_ms=0.5)
+    for split in (-1, 100):
+        with pytest.raises(ValueError, match=rf"^split: must lie in \[0, 100\), got {split}$"):
+            layer_split_time(costs, 100, split)

@@ -8,6 +8,7 @@ from importlib import resources
 import pytest
 
 from rekv_core.plan.policy import Policy, shipped_policy
+from rekv_core.plan.policy_meta import PolicyMeta
 
 
 def _verdict(codec: str, cut: int) -> dict:
@@ -42,6 +43,15 @@ def test_a_merge_keeps_the_model_its_prompt_lengths_and_epsilon():
     merged = old.merged(new)
     assert (merged.model, merged.prompt_len_range, merged.epsilon) == ("m", (64, 1024), 0.02)
     assert merged.max_cut == {"int8": 30, "int4": 6}
+
+
+def test_a_merged_meta_keeps_the_keys_either_writer_did_not_know():
+    older = PolicyMeta.from_json({"prompts": 4, "from_an_older_writer": 1})
+    newer = PolicyMeta.from_json({"prompts": 8, "from_a_newer_writer": 2})
+    merged = older.merged(newer)
+    assert merged.prompts == 8
+    assert merged.to_json() == {"prompts": 8, "from_an_older_writer": 1,
+                                "from_a_newer_writer": 2}
 
 
 def test_a_merge_that_cannot_be_made_says_why():
