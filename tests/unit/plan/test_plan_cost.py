@@ -9,6 +9,7 @@ from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs, choose, predict
 from rekv_core.plan.calibration import codec_costs
+from rekv_core.plan.cost import Prediction
 from rekv_core.plan.estimates import Ewma, LayerCost, LinkEstimate
 
 SHAPE = get_preset("smollm2-135m")
@@ -296,3 +297,37 @@ def test_the_planner_says_when_it_pipelines():
     layers = Planner().decide(dataclasses.replace(fast, orders=LAYERS), ["bf16", "int8"])
     assert not layers.pipelined
 
+
+
+def test_a_prediction_reads_as_the_dict_the_services_and_the_cli_print():
+    split = Prediction(Action("int8", 12, L, split=256), total_ms=10.5, h_ms=1.0, x_ms=2.0,
+                       r_ms=3.0, j_ms=0.5, bytes=1234, prefill_ms=4.0, load_ms=0.25,
+                       pipelined=True)
+    assert split.as_dict() == {
+        "action": "token_split", "codec": "int8", "cut": 12, "split": 256, "predicted_ms": 10.5,
+        "h_ms": 1.0, "x_ms": 2.0, "r_ms": 3.0, "j_ms": 0.5, "bytes": 1234, "prefill_ms": 4.0,
+        "load_ms": 0.25, "pipelined": True, "progressive": False, "layer_split": 0}
+    lynx = Prediction(Action("int8", L, L, progressive=True), 7.0, 0.0, 6.0, 0.0, 1.0, 99)
+    assert lynx.as_dict() == {
+        "action": "quant_transfer", "codec": "int8", "cut": L, "split": 0, "predicted_ms": 7.0,
+        "h_ms": 0.0, "x_ms": 6.0, "r_ms": 0.0, "j_ms": 1.0, "bytes": 99, "prefill_ms": 0.0,
+        "load_ms": 0.0, "pipelined": False, "progressive": True, "layer_split": 0}
+    per_layer = Prediction(Action("int4", 20, L, layer_split=512), 1.0, 0.0, 0.0, 0.0, 0.0, 1)
+    assert per_layer.as_dict()["action"] == "joint"
+    assert per_layer.as_dict()["layer_split"] == 512
+
+
+def test_a_decision_reads_as_its_choice_its_rule_and_every_candidate():
+    from rekv_core.plan.planner import Planner
+
+    decision = Planner().decide(_streamed(10.0, chunk=256, orders=EITHER), ["bf16", "int8"])
+    out = decision.as_dict()
+    action = decision.action
+    assert out["chosen"] == {"action": action.kind.value, "codec": action.codec,
+                             "cut": action.cut, "split": action.split, "layer_split": 0,
+                             "predicted_ms": decision.predicted_ms, "pipelined": True}
+    assert out["rule"] == decision.rule.value == "best"
+    assert len(out["candidates"]) == len(decision.candidates) > 1
+    for listed, (prediction, ms) in zip(out["candidates"], decision.candidates):
+        assert listed == {**prediction.as_dict(), "model_ms": prediction.total_ms,
+                          "predicted_ms": ms}
