@@ -195,6 +195,10 @@ def test_the_grid_and_the_time_model_name_what_is_out_of_range():
         with pytest.raises(ValueError, match=rf"^seq_len, block: must be positive, got "
                                              rf"{seq_len}, {block}$"):
             allowed_layer_splits(seq_len, block)
+    with pytest.raises(ValueError, match=r"^restore_row_ms: must be >= 0, got -1.0$"):
+        LayerSplitCosts(1.0, 1.0, 1.0, restore_row_ms=-1.0)
+    with pytest.raises(ValueError, match=r"^layers: must be positive, got 0$"):
+        LayerSplitCosts(1.0, 1.0, 1.0, layers=0)
     costs = LayerSplitCosts(input_row_ms=1.0, kv_row_ms=2.0, recompute_row_ms=0.5)
     for split in (-1, 100):
         with pytest.raises(ValueError, match=rf"^split: must lie in \[0, 100\), got {split}$"):

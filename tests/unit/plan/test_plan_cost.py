@@ -60,6 +60,7 @@ def test_link_estimate_moves_with_observed_transfers():
     assert link.gbps == pytest.approx(2.0)
     link.observe(250_000_000, 0.1)  # one disturbed sample (20 Gb/s) does not move it
     assert link.gbps == pytest.approx(2.0)
+    assert link.observe(250_000_000, 0.0) == pytest.approx(2.0)  # no time measured: no sample
     for _ in range(4):  # a real change does, within half the window
         link.observe(125_000_000, 1.0)
     assert link.gbps == pytest.approx(1.5)
