@@ -40,3 +40,32 @@ def test_codec_costs_are_the_median_timing_in_ms_per_mib(monkeypatch):
     assert encode_ms == pytest.approx(2.0 / mib) and decode_ms == pytest.approx(2.0 / mib)
     assert calls == [(3, torch.device("cpu"))] * 2
     assert set(encoded_shapes) == {(shape.num_kv_heads, 512, shape.head_dim)}
+
+
+def test_a_profile_holds_what_was_measured_and_how(monkeypatch):
+    from types import SimpleNamespace
+
+    from rekv_core.plan import profile
+    from rekv_core.plan.estimates import LayerCost
+
+    model = SimpleNamespace(shape=get_preset("smollm2-135m"), device=torch.device("meta"),
+                            dtype=torch.bfloat16)
+    codec_calls, layer_calls = [], []
+    layer_cost = LayerCost([64, 256], [1.0, 3.0])
+
+    def codec_costs(name, shape, prompt_len, device):
+        codec_calls.append((name, shape.name, prompt_len, device))
+        return {"int8": (0.5, 0.25), "int4": (0.75, 0.5)}[name]
+
+    monkeypatch.setattr(profile, "measure_codec_costs", codec_costs)
+    monkeypatch.setattr(profile, "measure_layer_cost",
+                        lambda m, lengths: layer_calls.append((m, lengths)) or layer_cost)
+    measured = profile.measure_profile(model, ["int8", "int4"])
+    assert codec_calls == [("int8", "smollm2-135m", 1024, model.device),
+                           ("int4", "smollm2-135m", 1024, model.device)]
+    assert layer_calls == [(model, (64, 256, 1024, 2048))]
+    assert measured == profile.Profile(
+        model="smollm2-135m", device="meta", dtype="bfloat16",
+        torch_threads=torch.get_num_threads(), layer_cost=layer_cost,
+        quantize_ms_per_mib={"int8": 0.5, "int4": 0.75},
+        restore_ms_per_mib={"int8": 0.25, "int4": 0.5}, meta={"codec_prompt_len": 1024})
