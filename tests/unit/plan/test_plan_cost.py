@@ -299,7 +299,6 @@ def test_the_planner_says_when_it_pipelines():
     assert not layers.pipelined
 
 
-
 def test_a_prediction_reads_as_the_dict_the_services_and_the_cli_print():
     split = Prediction(Action("int8", 12, L, split=256), total_ms=10.5, h_ms=1.0, x_ms=2.0,
                        r_ms=3.0, j_ms=0.5, bytes=1234, prefill_ms=4.0, load_ms=0.25,

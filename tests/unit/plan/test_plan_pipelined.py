@@ -16,14 +16,14 @@ from rekv_core.handoff.action import wire_bytes
 from rekv_core.model.shapes import get_preset
 from rekv_core.plan import CostInputs, predict
 from rekv_core.plan.evidence import CodecCost
-from rekv_core.units import MiB
+from rekv_core.units import BF16_BYTES, MiB
 
 SHAPE = get_preset("smollm2-135m")  # d = 576, 30 layers
 S, C = 512, 10  # two boundary chunks of 256 rows; the cut
 ACTION = Action("int8", C, SHAPE.num_layers, boundary="splitzip")
 WIRE = wire_bytes(ACTION, SHAPE, S)
 LAYER_MIB = SHAPE.kv_layer_bytes(S) / MiB
-BOUNDARY_ROW_MIB = SHAPE.hidden_size * 2 / MiB  # one BF16 row of h_c
+BOUNDARY_ROW_MIB = SHAPE.hidden_size * BF16_BYTES / MiB  # one BF16 row of h_c
 
 
 def _inputs(gbps, gamma_p, prefill_wait, decode_wait, m, k):
