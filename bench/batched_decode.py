@@ -9,7 +9,7 @@ For each context C and batch B: B caches of random values filled to C (as bench/
 decode rows: a step's cost does not depend on the values), then --repeats times --steps
 consecutive batched steps of all B streams from C (the engine's: `engine_step`, on the CPU with
 prepacked weights and subnormals flushed, unless --no-pack; on CUDA the bucketed slab with a CUDA
-graph per batch bucket; --gemm: batched GEMMs outside float32 too), each timed alone (device
+graph per batch bucket; --invariant: each row its lone kernels), each timed alone (device
 synchronized), after one untimed warm-up step. Reported: the median step, tokens/s (B / step), and
 the floor: one step reads every layer's weights once for the whole batch and each stream's K and V
 (`executor.weight_read_bytes` + B × `executor.kv_read_bytes`) at the copy rate measured in the same
@@ -39,9 +39,6 @@ from rekv_cli.util import write_json  # noqa: E402
 from rekv_core.model import Model, load_weights  # noqa: E402
 from rekv_core.engine import engine_step, prepare_engine_thread  # noqa: E402
 from rekv_core.model.batched import batched_decode_step  # noqa: E402
-from rekv_core.model.blocks import linear  # noqa: E402
-from rekv_core.model.bucketed import BucketedDecoder  # noqa: E402
-from rekv_core.model.packed import PackedLinears  # noqa: E402
 from rekv_core.timing import synchronize  # noqa: E402
 
 # what the figures measure (`provenance`): the batched step alone, ceilings from executor.py
@@ -84,18 +81,13 @@ def time_batch(model: Model, step, context: int, batch: int, steps: int, repeats
 
 
 def choose_step(model: Model, args: argparse.Namespace):
-    """The engine's step (`engine_step`: on CUDA the bucketed slab with CUDA graphs), or with
-    --gemm batched GEMMs outside float32 too (the rate batch-invariant rows give up), or with
-    --no-pack the plain batched step."""
+    """The engine's step (`engine_step`: on CUDA the bucketed slab with CUDA graphs; with
+    --invariant each row its lone kernels, the services' `--batch-invariant`), or with --no-pack
+    the plain batched step."""
     if args.no_pack:
         return batched_decode_step
     capacity = max(args.contexts) + args.steps + 1
-    if not args.gemm:
-        return engine_step(model, max(args.batches), capacity)
-    if model.device.type == "cuda":
-        return BucketedDecoder(model, max(args.batches), capacity)
-    packed = PackedLinears.for_model(model)
-    return functools.partial(batched_decode_step, linear=packed.linear if packed else linear)
+    return engine_step(model, max(args.batches), capacity, invariant=args.invariant)
 
 
 def run(args: argparse.Namespace, on_progress: Callable[[dict], None] | None = None) -> dict:
@@ -130,7 +122,7 @@ def _result(args, started, device, dtype, step, ceilings, rows, complete: bool) 
                             else cpu_model()),
             "dtype": args.dtype, "steps": args.steps, "repeats": args.repeats,
             "dry_run": args.dry_run, "threads": torch.get_num_threads(),
-            "packed_weights": step is not batched_decode_step, "gemm": args.gemm,
+            "packed_weights": step is not batched_decode_step, "invariant": args.invariant,
             "step": type(step).__name__ if not isinstance(step, functools.partial)
             else step.func.__name__}
     return {"meta": meta, "ceilings": ceilings, "rows": rows, "complete": complete}
@@ -171,8 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, help="steps timed per run (default 16)")
     parser.add_argument("--repeats", type=int, help="timed runs (default 3)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--gemm", action="store_true",
-                        help="batched GEMMs outside float32 too (not batch-invariant)")
+    parser.add_argument("--invariant", action="store_true",
+                        help="each row through the single-stream kernels (--batch-invariant)")
     parser.add_argument("--no-pack", action="store_true",
                         help="the step without prepacked CPU weights (model.packed)")
     parser.add_argument("--dry-run", action="store_true", help=f"tiny sizes: {DRY_RUN}")

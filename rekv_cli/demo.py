@@ -275,7 +275,8 @@ def _meta(args, settings, rate, services, cores, service_args) -> dict:
 
     return {"command": "rekv " + " ".join(sys.argv[1:]), "cpu": cpu_model(),
             "cores": os.cpu_count(), "model": settings.model,
-            "device": settings.device, "dtype": settings.dtype, "filler": args.filler,
+            "device": settings.device, "dtype": settings.dtype,
+            "dtype_run": str(settings.torch_dtype).removeprefix("torch."), "filler": args.filler,
             "max_new_tokens": args.max_new_tokens, "passkey": PASSKEY,
             "link": {"kind": services.kind, "gbps": rate.gbps, "chosen": rate.chosen,
                      "description": services.describe(), **asdict(rate)},

@@ -4,7 +4,9 @@
 `REKV_TORCH_THREADS` (through `rekv_core.env`, the one reader of the environment); explicit
 overrides (from command-line flags) win over the environment. The services' settings extend this
 object (`services.settings.ServiceSettings`). BF16 is
-the only dtype on CUDA; the CPU runs float32 (default there) or BF16.
+the only dtype on CUDA; the CPU runs float32 or BF16, and `auto` picks BF16 where the CPU computes
+BF16 dot products natively (AVX-512 BF16 or AMX, `rekv_core.cpu_bf16`), float32 elsewhere:
+`dtype_choice()` says which and why, for the startup log and the `rekv_compute_info` metric.
 
 CPU threads: a handoff runs two branches at once, the suffix compute and the prefix receive and
 decode. The compute branch is the expensive one, so `apply_threads()` gives torch's intra-op pool
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rekv_core import env
+from rekv_core import cpu_bf16, env
 from rekv_core.model.shapes import DEFAULT_MODEL
 from rekv_core.plan.estimates import LINK_PRIOR_GBPS
 
@@ -33,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class RuntimeSettings:
     model: str = DEFAULT_MODEL  # a preset with weights, synthetic:<preset>, a .gguf or a directory
     device: str = "cpu"  # cpu, cuda or cuda:N
-    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native BF16, else float32
     torch_threads: int = 0  # torch intra-op threads on the CPU; 0: every usable core
     link_gbps: float = LINK_PRIOR_GBPS  # the link rate assumed until it is measured
 
@@ -77,9 +79,18 @@ class RuntimeSettings:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return DTYPES[self.dtype]
+        return self.dtype_choice()[0]
+
+    def dtype_choice(self) -> tuple[torch.dtype, str]:
+        """The dtype the model runs in, and why (set, CUDA, or the CPU's BF16 support)."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype], "set"
+        if self.device.startswith("cuda"):
+            return torch.bfloat16, "auto: CUDA"
+        support = cpu_bf16.native()
+        if support.native:
+            return torch.bfloat16, f"auto: native BF16 on this CPU ({support.reason})"
+        return torch.float32, f"auto: {support.reason}"
 
 
 def usable_cores() -> int:

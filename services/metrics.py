@@ -92,16 +92,24 @@ class ServiceMetrics:
         self.model = Gauge("rekv_model_info", "1 for the model this service runs: its name and "
                            "fingerprint (weights, shape, dtype, tokenizer, wire and codec "
                            "versions)", ["model", "fingerprint"], registry=r)
+        self.compute = Gauge("rekv_compute_info", "1 for what this service computes on: the "
+                             "device, the dtype and why that dtype (set, or auto's reason: the "
+                             "CPU's native BF16 instruction, or why it has none)",
+                             ["device", "dtype", "reason"], registry=r)
         self._incompatible = _IncompatiblePeers(dict)
         r.register(self._incompatible)
         self.canary = CanaryMetrics(r) if role == "decode" else None
         self.engine = EngineMetrics(r) if role == "decode" else None
+        self.scheduler = PrefillSchedulerMetrics(r) if role == "prefill" else None
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
 
     def record_model(self, name: str, fingerprint: str) -> None:
         self.model.labels(name, fingerprint).set(1)
+
+    def record_compute(self, device: str, dtype: str, reason: str) -> None:
+        self.compute.labels(device, dtype, reason).set(1)
 
     def watch_incompatible(self, peers: Callable[[], Mapping[str, bool]]) -> None:
         """Export `peers()` (decode): each prefill replica's address, and whether it is left out
@@ -233,3 +241,28 @@ class EngineMetrics:
     def turned(self, token_layers: int, seconds: float, batch: int) -> None:
         self.turn.observe(seconds)
         self.turn_work.inc(token_layers)
+
+
+ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class PrefillSchedulerMetrics:
+    """The prefill worker's scheduler (rekv_core.engine.PrefillScheduler): the prompts in it, and
+    the prompts and rows of each batched call."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.prompts = Gauge("rekv_prefill_scheduled_prompts", "Prompts in the prefill "
+                             "scheduler, queued or computing", registry=r)
+        self.batch_prompts = Histogram("rekv_prefill_batch_prompts", "Prompts in each batched "
+                                       "prefill call (one layer)", buckets=BATCH_BUCKETS,
+                                       registry=r)
+        self.batch_rows = Histogram("rekv_prefill_batch_rows", "Prompt rows in each batched "
+                                    "prefill call (one layer)", buckets=ROW_BUCKETS, registry=r)
+
+    def watch(self, prompts: Callable[[], int]) -> None:
+        self.prompts.set_function(prompts)
+
+    def called(self, prompts: int, rows: int, seconds: float) -> None:
+        self.batch_prompts.observe(prompts)
+        self.batch_rows.observe(rows)

@@ -6,8 +6,9 @@ call, under which the prefill worker's spans hang) and, after the fact from the 
 (`ReceiveClock`, `record_receive`), `boundary`, `prefix_layers`, `suffix`, `join`, or `recompute`
 when the handoff failed; then `first_token` and `decode`. Prefill worker, under its
 `Prefill/Handoff` server span: `plan` (the planner's decision, `describe_decision`) and `send`,
-whose messages `MessageLog` notes as they are posted: `prefix_layers` and `boundary` spans with
-one event per message. Every helper returns at once when the span or trace keeps nothing.
+whose messages `MessageLog` notes as they are posted: `control` (the in-band plan, token ids, a
+split's head), `prefix_layers` and `boundary` spans with one event per message. Every helper
+returns at once when the span or trace keeps nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TypeVar
 from rekv_core.connector import Decision
 from rekv_core.handoff import HandoffResult, WireBytes
 from rekv_core.handoff.sender import SendHooks
-from rekv_core.handoff.wire import BOUNDARY
+from rekv_core.handoff.wire import BOUNDARY, HEAD, PLAN, TOKENS
 from rekv_core.transport import Message
 from services.calls import HandoffReport
 from services.tracing import Span, Trace
@@ -116,9 +117,11 @@ class MessageLog:
             self.inner.after_send(name)
 
     def record(self, trace: Trace, parent: Span) -> None:
-        """`prefix_layers` and `boundary` under `parent`, each message an event."""
-        for span_name, kind in (("prefix_layers", "layer"), ("boundary", BOUNDARY)):
-            events = [(name, at) for name, at in self.posted if name.split(".")[0] == kind]
+        """`control` (the plan, token ids, a split's head), `prefix_layers` and `boundary` under
+        `parent`, each message an event."""
+        for span_name, kinds in (("control", (PLAN, TOKENS, HEAD)), ("prefix_layers", ("layer",)),
+                                 ("boundary", (BOUNDARY,))):
+            events = [(name, at) for name, at in self.posted if name.split(".")[0] in kinds]
             if events:
                 trace.record(span_name, events[0][1], events[-1][1], parent, events=events,
                              messages=len(events))

@@ -13,6 +13,7 @@ process exits 0.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import faulthandler
 import json
 import logging
@@ -56,6 +57,11 @@ class Worker:
         self.settings = settings
         self.metrics = metrics
         self.threads = settings.apply_threads()
+        dtype, why = settings.dtype_choice()
+        dtype_name = str(dtype).removeprefix("torch.")
+        log.info("%s computes in %s on %s (%s), %d torch thread(s)", settings.role, dtype_name,
+                 settings.device, why, self.threads)
+        metrics.record_compute(settings.device, dtype_name, why)
         self.model = settings.load_model()
         self.shape = self.model.shape
         self.tokenizer = load_tokenizer(settings.model)
@@ -64,11 +70,7 @@ class Worker:
         metrics.record_model(self.shape.name, self.fingerprint.hex)
         self.transfers = TransferBook()
         what = "request" if settings.role == "decode" else "handoff"
-        # a decode engine's streams hold their call beyond the handoff slots
-        decoding = settings.max_batch if (settings.role, settings.decode_path) == (
-            "decode", "batched") else 0
-        self.admission = Admission(settings.max_concurrent + decoding + settings.max_queue,
-                                   settings.max_inflight_bytes, what)
+        self.admission = Admission(admitted_calls(settings), settings.max_inflight_bytes, what)
         metrics.watch_transfers(self.transfers.count)
         metrics.inflight_bytes.set_function(lambda: self.admission.bytes)
 
@@ -126,7 +128,25 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+def admitted_calls(settings: ServiceSettings) -> int:
+    """The calls admission lets in at once (`Worker.admission`): the handoff slots and the queue,
+    and on a decode worker with its engine the streams, which hold their call beyond them."""
+    decoding = settings.max_batch if (settings.role, settings.decode_path) == (
+        "decode", "batched") else 0
+    return settings.max_concurrent + decoding + settings.max_queue
+
+
+def call_threads(settings: ServiceSettings) -> int:
+    """Threads for the calls' blocking work (`asyncio.to_thread`): one for every call admission
+    lets in (`admitted_calls`), plus a few for the rest (connects, start-up, shutdown). The
+    default pool (at most the cores + 4) would hold admitted handoffs back from the prefill
+    scheduler and the data plane, a few at a time."""
+    return admitted_calls(settings) + 8
+
+
 async def serve(settings: ServiceSettings, build: Build) -> int:
+    asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+        call_threads(settings), thread_name_prefix="rekv-call"))
     metrics = ServiceMetrics(settings.role)
     tracing = Tracing.from_env(settings.role)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

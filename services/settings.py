@@ -122,6 +122,17 @@ class ServiceSettings(RuntimeSettings):
     # prefill: let the planner rank KVPR's per-layer form (each sent layer's input rows for the
     # first l tokens, its KV of the rest) where the decode worker takes it
     layer_split: bool = True
+    # prefill: the scheduler's rows per tick (every streamed handoff in layer order is batched
+    # with the others in flight, at most this many prompt rows per forward; the oldest prompt
+    # always gets a block, then the least work left first); 0: one prefill at a time
+    prefill_token_budget: int = 2048
+    # prefill: layers a short prompt arriving after others runs alone to reach their layer and
+    # share their GEMMs from there on (a prompt waits at most this many ticks in all); 0: off
+    prefill_catch_up_layers: int = 8
+    # both: each prompt's batched prefill (prefill) and each stream's decode steps (decode) bit
+    # for bit its lone one (the same kernels per prompt or row, no GEMM shared between them):
+    # slower, for token-for-token agreement with the single-process reference under any batch
+    batch_invariant: bool = False
     # decode: the boundary's chunk size it asks for (a multiple of 256; 0: one message); it starts
     # its layers on each chunk as it lands
     boundary_chunk_tokens: int = 256
@@ -177,6 +188,12 @@ class ServiceSettings(RuntimeSettings):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport: must be one of {', '.join(TRANSPORTS)}, got "
                              f"{self.transport!r}")
+        if self.prefill_token_budget < 0:
+            raise ValueError(f"prefill_token_budget: must be >= 0 (0: no scheduler), got "
+                             f"{self.prefill_token_budget}")
+        if self.prefill_catch_up_layers < 0:
+            raise ValueError(f"prefill_catch_up_layers: must be >= 0 (0: off), got "
+                             f"{self.prefill_catch_up_layers}")
         if self.pace_gbps < 0:
             raise ValueError(f"pace_gbps: must be >= 0, got {self.pace_gbps}")
         if not -1 <= self.ucx_loop_nice <= 19:

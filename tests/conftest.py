@@ -23,6 +23,10 @@ os.environ.setdefault("REKV_PROFILE_CACHE", tempfile.mkdtemp(prefix="rekv-test-p
 if "REKV_MODEL_CACHE" not in os.environ:
     os.environ["REKV_MODEL_CACHE"] = tempfile.mkdtemp(prefix="rekv-test-models-")
     atexit.register(shutil.rmtree, os.environ["REKV_MODEL_CACHE"], ignore_errors=True)
+# every test computes in float32 on the CPU unless it names its dtype: `auto` picks BF16 on a CPU
+# with native BF16 dot products and float32 on others, and the suite gives one verdict on every
+# CPU (tests/unit/test_cpu_bf16.py and test_services_lifecycle.py test `auto` itself)
+os.environ.setdefault("REKV_DTYPE", "float32")
 
 import pytest  # noqa: E402
 
@@ -45,7 +49,7 @@ FILE_SECONDS = SYSTEM.parent / "file_seconds.json"
 # instruction set; these must pass under each (tests/README.md, `make test-isa`).
 NUMERICS = {f"tests/unit/{name}.py" for name in (
     "model/test_executor_exactness", "model/test_executor_oracle", "model/test_static_decode",
-    "model/test_speculation", "engine/test_engine_reference", "plan/test_canary",
+    "model/test_speculation", "model/test_layer_batch", "engine/test_engine_reference", "plan/test_canary",
     "plan/test_generations", "plan/test_gate_and_planner", "plan/test_quality",
     "handoff/test_layer_split", "handoff/test_token_split_cache", "codecs/test_lynx_streams",
 )}
@@ -99,7 +103,8 @@ def _load_fp32() -> Model:
     return Model(load_weights("smollm2-135m", torch.float32))
 
 
-def _cast_bf16(fp32: Model) -> Model:
+def _cast(fp32: Model, dtype: torch.dtype) -> Model:
+    """The same weights in another dtype (the LM head stays tied to the embedding)."""
     from dataclasses import fields
 
     from rekv_core.model.weights import LayerWeights, ModelWeights
@@ -107,7 +112,7 @@ def _cast_bf16(fp32: Model) -> Model:
     w = fp32.weights
 
     def cast(t):
-        return None if t is None else t.to(torch.bfloat16)
+        return None if t is None else t.to(dtype)
 
     layers = [LayerWeights(**{f.name: cast(getattr(lw, f.name)) for f in fields(LayerWeights)})
               for lw in w.layers]
@@ -127,7 +132,7 @@ def _load_tokenizer() -> GGUFTokenizer:
 PRELOADED: dict = {}
 if UNDER_MUTMUT:
     PRELOADED["fp32"] = _load_fp32()
-    PRELOADED["bf16"] = _cast_bf16(PRELOADED["fp32"])
+    PRELOADED["bf16"] = _cast(PRELOADED["fp32"], torch.bfloat16)
     PRELOADED["tokenizer"] = _load_tokenizer()
 
 
@@ -138,7 +143,13 @@ def smollm_fp32() -> Model:
 
 @pytest.fixture(scope="session")
 def smollm_bf16(smollm_fp32) -> Model:
-    return PRELOADED["bf16"] if "bf16" in PRELOADED else _cast_bf16(smollm_fp32)
+    return PRELOADED["bf16"] if "bf16" in PRELOADED else _cast(smollm_fp32, torch.bfloat16)
+
+
+@pytest.fixture(scope="session")
+def smollm_fp64(smollm_fp32) -> Model:
+    """Float64: where two summation orders must agree to far below float32's rounding."""
+    return _cast(smollm_fp32, torch.float64)
 
 
 @pytest.fixture(scope="session")

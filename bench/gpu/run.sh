@@ -28,7 +28,7 @@
 #   services   both services on the device over UCX            -> services/services_e2e.json
 #   executor   prefill TFLOP/s and decode step vs ceilings      -> executor.json
 #   batched    the engine's batched step, batch 1-64 at 1K, 8K  -> batched.json
-#   batched_gemm  the same with batched GEMMs in bf16            -> batched-gemm.json
+#   batched_invariant  the same, each row its lone kernels       -> batched-invariant.json
 #   codecs     encode/decode GB/s incl. checksums vs copy rate  -> codecs.json
 #   ttft       TTFT (a)-(e) and the pipelined way, qwen2.5-7b    -> ttft.json
 #   summary    the goals beside their ceilings and the seed     -> summary.md, summary.json
@@ -117,8 +117,8 @@ run_step() {  # run_step NAME: the step's command, with its ARGS_ and LIMIT_ fro
         "${args[@]}" --json "$OUT/executor.json" ;;
     batched) step batched "${!limit}" "$PYTHON" bench/batched_decode.py --device "$DEVICE" \
         "${args[@]}" --json "$OUT/batched.json" ;;
-    batched_gemm) step batched_gemm "${!limit}" "$PYTHON" bench/batched_decode.py \
-        --device "$DEVICE" "${args[@]}" --gemm --json "$OUT/batched-gemm.json" ;;
+    batched_invariant) step batched_invariant "${!limit}" "$PYTHON" bench/batched_decode.py \
+        --device "$DEVICE" "${args[@]}" --invariant --json "$OUT/batched-invariant.json" ;;
     codecs) step codecs "${!limit}" "$PYTHON" bench/codecs.py --device "$DEVICE" "${args[@]}" \
         --json "$OUT/codecs.json" ;;
     ttft) step ttft "${!limit}" "$PYTHON" -m rekv_cli bench ttft --device "$DEVICE" \

@@ -118,7 +118,7 @@ def ttft_estimate() -> float:
 
 
 GUESSED = {"env": 5.0, "cuda_tests": 40.0, "kernels": 30.0, "services": 45.0, "executor": 35.0,
-           "batched": 25.0, "batched_gemm": 20.0, "codecs": 30.0}
+           "batched": 25.0, "batched_invariant": 20.0, "codecs": 30.0}
 
 
 def _limit(estimate: float, floor: int) -> int:
@@ -150,8 +150,8 @@ def steps(dry_run: bool = False) -> list[Step]:
         one("services", [], ["--dry-run"], GUESSED["services"], 60),
         one("executor", [*big, "--prompt-len", "8192"], ["--dry-run"], GUESSED["executor"], 45),
         one("batched", [*big, "--batches", "1,4,16,64"], ["--dry-run"], GUESSED["batched"], 40),
-        one("batched_gemm", [*big, "--batches", "1,4,16,64"], ["--dry-run"],
-            GUESSED["batched_gemm"], 30),
+        one("batched_invariant", [*big, "--batches", "1,4,16,64"], ["--dry-run"],
+            GUESSED["batched_invariant"], 30),
         one("codecs", ["--prompt-len", "8192", *(a for p in SEED_PRESETS for a in ("--model", p)),
                        "--repeats", "10"],
             ["--prompt-len", "128", "--model", DRY_PRESET, "--repeats", "2", "--real-tokens",

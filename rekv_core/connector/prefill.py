@@ -21,15 +21,20 @@ the order a `Prefill.Handoff` call uses them:
   see `bench/results/throughput-orders/`), else the forced one, else layer order. `queue`: this
   worker's other handoffs, waiting or running. The decision's decode-side compute is counted for
   offers that do not know it yet, until `ended(transfer_id)`;
-- `send(call, decision, sender, transfer, hooks)`: prefill the prompt, one prefill at a time (one
-  model, one device), streamed up to the cut (token order: chunk by chunk) with each layer or chunk
-  sent as it is computed and the compute released at the cut, else every layer first; return when
-  every byte has left, within the transfer's deadline; learn the prefill's and the send's times;
+- `send(call, decision, sender, transfer, hooks)`: prefill the prompt and send it; return when
+  every byte has left, within the transfer's deadline; learn the prefill's and the send's times.
+  A streamed handoff in layer order goes to the prefill scheduler (`options.token_budget` > 0:
+  `engine.PrefillScheduler`), which batches it with the other prompts in flight, each tick at most
+  that many rows, each layer sent as soon as all its rows are computed; the scheduler's deadline is
+  the transfer's. The rest compute one prefill at a time (one model, one device, a lock): token
+  order chunk by chunk, a codec that ranks tokens layer by layer (`LivePrefill`), each sent as it
+  is computed and the lock released at the cut; the seed's schedule every layer first;
 - `probe(sender, probe_id, key, timeout_s)`: send a link probe (`handoff.probe`), one at a time
   (`Busy` while another runs: two would share the link, and each pins a thread);
 - `memory(prompt_len)`: what one handoff holds here, for admission control;
 - `link_gbps(offered)`: the link rate it plans with;
-- `ended(transfer_id)`.
+- `ended(transfer_id)`;
+- `close()`: stops the scheduler (prompts still in it end with `SchedulerClosed`).
 Thread-safe.
 """
 
@@ -40,8 +45,11 @@ import time
 from dataclasses import dataclass, replace
 
 from rekv_core.connector.calls import BadRequest, Busy, HandoffCall, ModelMismatch
+from rekv_core.engine.prefill_scheduler import (DEFAULT_CATCH_UP, DEFAULT_TOKEN_BUDGET,
+                                                PrefillScheduler)
 from rekv_core.handoff import Delivery, HandoffPlan, Order, SenderReport, send_handoff
 from rekv_core.handoff.probe import ProbeSent, send_probe
+from rekv_core.handoff.scheduled_source import ScheduledPrefillSource
 from rekv_core.handoff.sender import SendHooks
 from rekv_core.handoff.source import ChunkedPrefill, FinishedPrefill, LivePrefill, PrefillSource
 from rekv_core.handoff.transfer import Transfer
@@ -64,6 +72,9 @@ class PrefillOptions:
     token_split: bool = True  # let the planner rank token splits where the decode worker takes them
     lynx_streams: bool = True  # let it rank Lynx's streams of int8 actions where it takes them
     layer_split: bool = True  # let it rank KVPR's per-layer form where the decode worker takes it
+    token_budget: int = DEFAULT_TOKEN_BUDGET  # the scheduler's rows per tick; 0: no scheduler
+    batch_invariant: bool = False  # each prompt's prefill bit for bit its lone one, whatever batch
+    catch_up: int = DEFAULT_CATCH_UP  # layers a short late arrival runs alone to meet the others
 
 
 @dataclass(frozen=True)
@@ -82,6 +93,9 @@ class PrefillConnector:
         self.assigned = AssignedWork()
         self._compute = threading.Lock()
         self._probing = threading.Lock()
+        self.scheduler = (PrefillScheduler(model, options.token_budget, options.batch_invariant,
+                                           options.catch_up)
+                          if options.token_budget else None)
 
     @classmethod
     def for_model(cls, model: Model, options: PrefillOptions, profile: str = "",
@@ -202,15 +216,16 @@ class PrefillConnector:
         layers = plan.action.sent_layers if plan.streamed else self.shape.num_layers
         queued = self.backlog.add(layers * self.calibration.prefill_ms_per_layer(
             prompt_len, plan.streamed, call.offer.costs.suffix_scale))
-        if layers and not self._compute.acquire(timeout=transfer.wait_s()):
+        locked = bool(layers) and not self._scheduled(plan)
+        if locked and not self._compute.acquire(timeout=transfer.wait_s()):
             queued()
             raise TimeoutError(f"transfer {transfer.transfer_id}: no turn to compute before its "
                                f"deadline")
-        release = Once(lambda: (self._compute.release() if layers else None, queued()))
+        release = Once(lambda: (self._compute.release() if locked else None, queued()))
         try:
             transfer.check()
             started = time.perf_counter()
-            source = self._source(call, plan, release)
+            source = self._source(call, plan, release, transfer)
             prefill_s = time.perf_counter() - started
             send_start = time.perf_counter()
             report = send_handoff(sender, plan, source, transfer, call.sealing, hooks)
@@ -224,9 +239,19 @@ class PrefillConnector:
         self.calibration.observe_prefill(layers, prompt_len, prefill_s, plan.streamed)
         return SentHandoff(prefill_s, send_s, report)
 
-    def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once) -> PrefillSource:
+    def _scheduled(self, plan: HandoffPlan) -> bool:
+        """Whether the scheduler computes this plan's prefill (see `send`)."""
+        return (self.scheduler is not None and plan.streamed and not plan.pipelined
+                and not plan.codec.importance_window)
+
+    def _source(self, call: HandoffCall, plan: HandoffPlan, release: Once,
+                transfer: Transfer) -> PrefillSource:
         cut, window = plan.action.cut, plan.codec.importance_window
         through, rows = plan.action.sent_layers, plan.action.layer_split
+        if self._scheduled(plan):
+            return ScheduledPrefillSource(self.scheduler, call.token_ids, cut, through, rows,
+                                          transfer.deadline, f"transfer {transfer.transfer_id}",
+                                          on_done=release)
         if plan.pipelined:
             return ChunkedPrefill(self.model, call.token_ids, cut, plan.chunk_tokens,
                                   on_done=release)
@@ -238,6 +263,10 @@ class PrefillConnector:
                       boundaries={cut, self.shape.num_layers} | inputs)
         release()
         return FinishedPrefill(out, call.token_ids, cut, through, input_rows=rows)
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
 
     def probe(self, sender: TransportSender, probe_id: str, key: bytes | None,
               timeout_s: float) -> ProbeSent:

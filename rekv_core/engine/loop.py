@@ -118,21 +118,25 @@ def _emit(stream: Stream, token: int | None, finish: str | None,
         stream.cancelled = True
 
 
-def engine_step(model: Model, max_batch: int = 32, capacity: int | None = None) -> Step:
+def engine_step(model: Model, max_batch: int = 32, capacity: int | None = None,
+                invariant: bool = False) -> Step:
     """The batched step for this model. On CUDA, `bucketed.BucketedDecoder`: the batch's caches in
     one slab of `max_batch` slots of `capacity` positions (default: the model's context), one CUDA
-    graph per batch bucket. On the CPU in float32, `batched_decode_step` with one GEMM per weight
-    over the batch and prepacked weights (`model.packed`) where PyTorch can pack them.
+    graph per batch bucket. On the CPU, `batched_decode_step` with one GEMM per weight over the
+    batch, with prepacked weights (`model.packed`) where PyTorch can pack them (float32).
 
-    Outside float32 each row runs through the single-stream step's kernels (`exact_linear`), on
-    either device: a GEMM over B rows rounds differently from one over a row, which in bfloat16 is
-    enough to flip a greedy near-tie within a few dozen tokens, and a lossless handoff must keep
-    the single-process reference's answer whatever the batch (float32's rounding is 2^16 finer)."""
-    exact = model.dtype != torch.float32
+    A GEMM over B rows rounds differently from one over a row, which in BF16 is enough to flip a
+    greedy near-tie within a few dozen tokens. So with `invariant` (the services'
+    `--batch-invariant`) each row runs through the single-stream step's kernels (`exact_linear`),
+    on either device and in any dtype: every stream's tokens are then the single-process
+    reference's whatever the batch, at the cost of reading the weights once per row. Without it
+    (the default) a stream's logits agree with the reference's to the rounding of the larger GEMM;
+    what a lossless handoff promises (the cache the prefill computed, bit for bit) holds either
+    way."""
     if model.device.type == "cuda":
         return BucketedDecoder(model, max_batch, capacity or model.shape.max_positions,
-                               linear=exact_linear if exact else block_linear)
-    if exact:
+                               linear=exact_linear if invariant else block_linear)
+    if invariant:
         return functools.partial(batched_decode_step, linear=exact_linear)
     packed = PackedLinears.for_model(model)
     if packed is None:

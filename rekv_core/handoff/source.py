@@ -114,7 +114,25 @@ class _ComputingSource:
             on_done()
 
 
-class LivePrefill(_ComputingSource):
+class ReachedStates:
+    """`boundary()` and `head()` of a source that computes as it is read: the rows leaving layer
+    c − 1 (`_h`) and layer through − 1 (`_last`), once the compute has reached them."""
+
+    _h: torch.Tensor | None = None
+    _last: torch.Tensor | None = None
+
+    def boundary(self) -> torch.Tensor:
+        if self._h is None:
+            raise RuntimeError("boundary: the prefill has not reached the cut")
+        return self._h
+
+    def head(self) -> torch.Tensor:
+        if self._last is None:
+            raise RuntimeError("head: the prefill has not reached its last layer")
+        return self._last[-1]
+
+
+class LivePrefill(_ComputingSource, ReachedStates):
     streamed, pipelined = True, False
 
     def __init__(self, model: Model, token_ids: Sequence[int], cut: int,
@@ -160,16 +178,6 @@ class LivePrefill(_ComputingSource):
                     started = time.perf_counter()
         finally:
             self.close()
-
-    def boundary(self) -> torch.Tensor:
-        if self._h is None:
-            raise RuntimeError("boundary: the prefill has not reached the cut")
-        return self._h
-
-    def head(self) -> torch.Tensor:
-        if self._last is None:
-            raise RuntimeError("head: the prefill has not reached its last layer")
-        return self._last[-1]
 
 
 class ChunkedPrefill(_ComputingSource):

@@ -8,8 +8,9 @@ kernels that one run over all rows issues for those rows, whatever a BLAS librar
 kernel does with the number of rows it is given. `chunk_bounds` cuts a prompt into such chunks.
 `attend` is the plain attention call (GQA, an optional mask) the executor's other paths use.
 
-BF16 on a CPU without native BF16 arithmetic (no AVX-512 BF16 or AMX: AVX2-only x86, for one)
-goes through emulated kernels about 6x slower than float32: there a block of at least
+BF16 on a CPU without native BF16 arithmetic (no AVX-512 BF16 or AMX: AVX2-only x86, for one; or
+a cap on the kernels' instruction set below them, `rekv_core.cpu_bf16`) goes through emulated
+kernels about 6x slower than float32: there a block of at least
 `BF16_VIA_FLOAT32_MIN_ROWS` rows is multiplied in float32 (the weight widened for the call) and
 rounded to BF16 once, as a native BF16 GEMM accumulates in float32 and rounds its output. Which
 kernel a block takes depends only on the block's row count and the CPU, so the guarantee above
@@ -21,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rekv_core import cpu_bf16
+
 EXEC_BLOCK = 256  # positions per kernel call (rows of a linear layer, queries of attention)
 # below this many rows, widening the weight costs more than the emulated BF16 GEMM saves (AMD
 # EPYC Zen 3, AVX2: break-even at 4-8 rows for SmolLM2's projections, but near 32 for an LM head
@@ -29,14 +32,12 @@ BF16_VIA_FLOAT32_MIN_ROWS = 32
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies BF16 in hardware (AVX-512 BF16 or AMX tiles); True off x86,
-    where no such check exists here and BF16 goes to the native kernels as before."""
-    cpu = torch.cpu
-    checks = [getattr(cpu, name, None) for name in ("_is_avx512_bf16_supported",
-                                                     "_is_amx_tile_supported")]
-    if any(check is None for check in checks) or not cpu._is_avx2_supported():
+    """Whether this CPU multiplies BF16 in hardware (AVX-512 BF16 or AMX tiles) with no cap on the
+    kernels' instruction set below that (`rekv_core.cpu_bf16.native`, which `dtype = auto` asks
+    too); True off x86, where no such check exists here and BF16 goes to the native kernels."""
+    if not torch.cpu._is_avx2_supported():
         return True
-    return any(check() for check in checks)
+    return cpu_bf16.native().native
 
 
 BF16_VIA_FLOAT32 = not cpu_has_native_bf16()

@@ -56,9 +56,12 @@ class DecodeWorker(Worker):
         if settings.decode_path != "batched":
             return None
         step = engine_step(self.model, settings.max_batch,
-                           settings.max_prompt_tokens + settings.max_new_tokens)
+                           settings.max_prompt_tokens + settings.max_new_tokens,
+                           settings.batch_invariant)
         step_ms, token_layer_ms, per_key_ms = measure_costs(self.model, step)
         budget_ms = settings.itl_budget_ms or default_budget_ms(step_ms)
+        log.info("decode engine: %s", "batch-invariant (each stream its lone kernels)"
+                 if settings.batch_invariant else "one GEMM per weight over the batch")
         log.info("decode engine: up to %d streams a step; ITL budget %.1f ms (%s); idle step "
                  "%.1f ms, %.4f ms per token-layer of prefill work (+%.6f per key attended)",
                  settings.max_batch, budget_ms, "set" if settings.itl_budget_ms else "measured",

@@ -11,6 +11,7 @@ connector's (`rekv_core.connector.PrefillConnector`). Thread-safe.
 
 from __future__ import annotations
 
+import logging
 import time
 
 from rekv_core.connector import (Decision, HandoffCall, PrefillConnector, PrefillOptions,
@@ -25,6 +26,8 @@ from services.request_spans import MessageLog
 from services.serving import Worker
 from services.settings import ServiceSettings
 
+log = logging.getLogger("rekv.prefill")
+
 
 class PrefillWorker(Worker):
     def __init__(self, settings: ServiceSettings, metrics: ServiceMetrics):
@@ -33,7 +36,9 @@ class PrefillWorker(Worker):
             self.model, PrefillOptions(settings.codecs, settings.stream_handoff,
                                        settings.pipeline_prefill, self.fingerprint.hex,
                                        settings.token_split, settings.lynx_streams,
-                                       settings.layer_split),
+                                       settings.layer_split, settings.prefill_token_budget,
+                                       settings.batch_invariant,
+                                       settings.prefill_catch_up_layers),
             settings.profile, settings.policy, settings.link_gbps)
         self.senders = create_sender_pool(settings.transport, self.transport_options())
         self.faults = Faults(settings.fault_inject, settings.fault_hold_s)
@@ -41,6 +46,16 @@ class PrefillWorker(Worker):
         metrics.transport_pending.set_function(
             lambda: self.senders.pending().in_flight_messages)
         metrics.connections.set_function(self.senders.connections)
+        scheduler = self.connector.scheduler
+        if scheduler is not None:
+            metrics.scheduler.watch(lambda: scheduler.queued)
+            scheduler.observer = metrics.scheduler.called
+            log.info("prefill scheduler: up to %d prompt rows per tick, %s, late arrivals catch "
+                     "up %d layers", scheduler.token_budget,
+                     "batch-invariant (each prompt its lone kernels)" if scheduler.invariant
+                     else "shared GEMMs across prompts", scheduler.catch_up)
+        else:
+            log.info("prefill scheduler off: one prefill at a time")
 
     def check(self, call: HandoffCall) -> None:
         """This worker's limits and its connector's; INVALID_ARGUMENT naming the field."""
@@ -91,3 +106,4 @@ class PrefillWorker(Worker):
 
     def close(self) -> None:
         self.senders.shutdown()
+        self.connector.close()

@@ -192,7 +192,8 @@ class _Cluster:
 @pytest.fixture
 def cluster(tmp_path):
     """The services across the link, and the client; all of it is gone afterwards."""
-    settings = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens",
+    settings = ["--dtype", "bfloat16", "--batch-invariant", "true", "--torch-threads", "1",
+                "--max-prompt-tokens",
                 str(PROMPT_LEN), "--max-new-tokens", str(NEW_TOKENS), "--link-gbps",
                 str(LINK_GBPS), "--profile", str(PROFILE),
                 # no message within this long ends the wait even when the plan's deadline is

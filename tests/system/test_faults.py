@@ -33,7 +33,8 @@ from rekv_core.model import Model, greedy_generate, load_weights
 from services.rpc import rekv_pb2_grpc
 from tests.support.paths import ROGUE_PEER, ROOT
 
-THREADS = ["--torch-threads", "1", "--dtype", "bfloat16"]
+# each answer the reference's under any batch (the batch-invariant kernels on both workers)
+THREADS = ["--torch-threads", "1", "--dtype", "bfloat16", "--batch-invariant", "true"]
 PROMPT = ("The history of the city begins with a small settlement on the river. " * 6
           + "In the end, the city")
 NEW_TOKENS = 6

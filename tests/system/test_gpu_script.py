@@ -51,9 +51,9 @@ def test_the_dry_run_passes_every_step_in_the_device_venv(tmp_path, device_pytho
     assert done.returncode == 0
     names = [s["step"] for s in steps]
     assert names == ["env", "cuda_tests", "handoff_smollm2-135m", "kernels", "services",
-                     "executor", "batched", "batched_gemm", "codecs", "ttft", "summary"]
+                     "executor", "batched", "batched_invariant", "codecs", "ttft", "summary"]
     for produced in ("env.json", "kernels.json", "services/services_e2e.json", "executor.json",
-                     "batched.json", "batched-gemm.json", "codecs.json", "ttft.json",
+                     "batched.json", "batched-invariant.json", "codecs.json", "ttft.json",
                      "handoff-smollm2-135m.json", "summary.md", "summary.json"):
         assert (out / produced).stat().st_size > 0, produced
     summary = json.loads((out / "summary.json").read_text())

@@ -66,7 +66,8 @@ def reference(tokenizer):
 
 
 def _settings(**extra) -> dict[str, str]:
-    return {"REKV_DTYPE": "bfloat16", "REKV_TORCH_THREADS": str(torch.get_num_threads()),
+    return {"REKV_DTYPE": "bfloat16", "REKV_BATCH_INVARIANT": "true",
+            "REKV_TORCH_THREADS": str(torch.get_num_threads()),
             "REKV_ADVERTISE_HOST": "127.0.0.1", "REKV_SHUTDOWN_GRACE_S": "30", **extra}
 
 

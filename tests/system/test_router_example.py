@@ -69,7 +69,8 @@ def reference(tokenizer):
 def services(tmp_path_factory, reference):
     """(prefill, [decode a, decode b]); each process in its own log directory, since the ready
     file is named after the role. The shipped profile spares each one a start-up measurement."""
-    settings = ["--dtype", "bfloat16", "--torch-threads", str(torch.get_num_threads()),
+    settings = ["--dtype", "bfloat16", "--batch-invariant", "true",
+                "--torch-threads", str(torch.get_num_threads()),
                 "--max-prompt-tokens", "128", "--max-new-tokens", "32",
                 "--shutdown-grace-s", "5", "--profile", str(PROFILE)]
     started = []

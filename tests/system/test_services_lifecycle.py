@@ -3,7 +3,10 @@ serves by recomputing locally, and SIGTERM while requests run ends each one corr
 clear status, both processes exiting 0. The answers are checked against the single-process BF16
 reference (tests/support/reference.py), as in test_services_e2e.py."""
 
+import os
+import re
 import threading
+import urllib.request
 
 import grpc
 import pytest
@@ -11,6 +14,7 @@ import torch
 
 from rekv_cli.client import generate
 from rekv_cli.launcher import ServicePair, ServiceProcess
+from rekv_core.cpu_bf16 import native
 from tests.support.reference import greedy_reference
 
 PROMPTS = ("The capital of France is",
@@ -39,10 +43,34 @@ def test_unreachable_prefill_falls_back_to_local_recompute(tmp_path, reference):
     assert result.token_ids == reference(PROMPTS[0], 8)
 
 
+@pytest.mark.parametrize("cap", [{}, {"ONEDNN_MAX_CPU_ISA": "AVX2"}], ids=["machine", "avx2"])
+def test_auto_computes_in_bf16_only_where_the_cpu_has_it_and_says_so(tmp_path, cap):
+    """`REKV_DTYPE=auto`: the service's startup log and `rekv_compute_info` give the dtype this
+    CPU's BF16 support calls for, and why; under a cap below AVX-512 BF16, float32 on any CPU."""
+    env = {"REKV_DTYPE": "auto", **cap}
+    support = native(environ={**os.environ, **env})
+    dtype = "bfloat16" if support.native else "float32"
+    reason = (f"auto: native BF16 on this CPU ({support.reason})" if support.native
+              else f"auto: {support.reason}")
+    assert cap == {} or dtype == "float32"
+    decode = ServiceProcess("decode", ["--prefill-address", "127.0.0.1:1", "--torch-threads",
+                                       "1"], tmp_path, env=env)
+    try:
+        info = decode.wait_ready(300)
+        metrics = urllib.request.urlopen(f"http://{info['metrics']}/metrics").read().decode()
+    finally:
+        assert decode.stop() == 0
+    assert f"decode computes in {dtype} on cpu ({reason}), 1 torch thread(s)" in (
+        decode.log_path.read_text())
+    sample = re.escape(f'rekv_compute_info{{device="cpu",dtype="{dtype}",reason="{reason}"}} 1.0')
+    assert re.search(rf"^{sample}$", metrics, re.M), metrics
+
+
 def test_sigterm_finishes_or_cleanly_fails_in_flight_requests(tmp_path, reference):
     """SIGTERM while requests are running: each one completes correctly or ends with a clear
     status, never a wrong answer, and both processes exit 0."""
-    settings = ["--dtype", "bfloat16", "--torch-threads", str(torch.get_num_threads()),
+    settings = ["--dtype", "bfloat16", "--batch-invariant", "true", "--torch-threads",
+                str(torch.get_num_threads()),
                 "--shutdown-grace-s", "30"]
     pair = ServicePair(settings, settings, log_dir=tmp_path)
     outcomes = []

@@ -15,7 +15,8 @@ from tests.support.paths import ROOT
 
 NEW_TOKENS = 4
 # the shipped profile spares each process its start-up measurement: every call forces its action
-SETTINGS = ["--dtype", "bfloat16", "--torch-threads", "1", "--max-prompt-tokens", "256",
+SETTINGS = ["--dtype", "bfloat16", "--batch-invariant", "true", "--torch-threads", "1",
+            "--max-prompt-tokens", "256",
             "--max-new-tokens", "16", "--codecs", "bf16,int8",
             "--profile", str(ROOT / "rekv_core/plan/profiles/smollm2-135m.json")]
 

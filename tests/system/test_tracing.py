@@ -39,7 +39,10 @@ def traced(tmp_path_factory):
                                    forced_schedule=(True, 0, False),  # layer order
                                    metadata=[("traceparent", f"00-{router[0]}-{router[1]}-01")]),
                 "untraced": generate(channel, "untraced", PROMPT, 2, ("bf16", CUT)),
-                "failed": generate(channel, "flip_bit/failed", PROMPT, 2, ("int8", CUT)),
+                # token order: the bit flipped is the boundary's (the first payload), which
+                # nothing salvages, so the prompt is recomputed here from its token ids
+                "failed": generate(channel, "flip_bit/failed", PROMPT, 2, ("int8", CUT),
+                                   forced_schedule=(True, 256, True)),
             }
     finally:
         codes = pair.stop()  # each flushes its spans on the way out
@@ -86,7 +89,10 @@ def test_a_routers_request_is_one_trace_across_both_processes(traced):
     on_prefill = _children(mine, prefill)
     assert set(on_prefill) == {"plan", "send"}
     sent = _children(mine, on_prefill["send"])
-    assert set(sent) == {"prefix_layers", "boundary"}
+    assert set(sent) == {"control", "prefix_layers", "boundary"}
+    assert [name for name, _ in sent["control"].events] == ["plan"]
+    first_posted = min(at for s in sent.values() for _, at in s.events)
+    assert sent["control"].events[0][1] == first_posted  # the plan goes first
     assert [name for name, _ in sent["prefix_layers"].events] == [
         f"layer.{i}" for i in range(CUT)]
     for child, parent in [*((s, generate_span) for s in top.values()),

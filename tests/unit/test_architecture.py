@@ -14,7 +14,8 @@ GENERATED = ROOT / "services" / "rpc" / "rekv"
 # Bottom to top. A module may import its own package (the longest name below that contains it)
 # and the packages of lower layers, never a higher layer or another package of its own layer.
 LAYERS = (
-    ("rekv_core.units", "rekv_core.timing", "rekv_core.streams", "rekv_core.env"),
+    ("rekv_core.units", "rekv_core.timing", "rekv_core.streams", "rekv_core.env",
+     "rekv_core.cpu_bf16"),
     ("rekv_core.kernels", "rekv_core.transport", "rekv_core.eval"),
     ("rekv_core.model",),
     ("rekv_core.engine",),

@@ -21,7 +21,7 @@ def test_one_timed_request_makes_every_span_of_both_services():
     assert names == sorted([
         "rekv.v1.Decode/Generate", "admission", "handoff", "negotiation", "boundary",
         "prefix_layers", "suffix", "join", "first_token", "decode",
-        "rekv.v1.Prefill/Handoff", "plan", "send", "prefix_layers", "boundary"])
+        "rekv.v1.Prefill/Handoff", "plan", "send", "control", "prefix_layers", "boundary"])
     sent = [s for s in exporter.get_finished_spans() if s.name == "prefix_layers"
             and s.events]
     assert [e.name for e in sent[0].events] == [f"layer.{i}" for i in range(tracing_cost.CUT)]

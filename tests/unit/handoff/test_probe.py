@@ -8,10 +8,11 @@ import time
 
 import pytest
 
+from rekv_core.handoff import probe
 from rekv_core.handoff.probe import (PROBE, PROBE_END, PROBE_STAGES, receive_probe,
                                      send_probe)
 from rekv_core.handoff.seal import SealError, new_key
-from rekv_core.transport import (Message, TransportOptions, create_receiver,
+from rekv_core.transport import (Message, TransportError, TransportOptions, create_receiver,
                                  create_sender_pool)
 from rekv_core.transport.arrivals import Arrival
 from rekv_core.transport.inprocess import InProcessLink
@@ -130,3 +131,106 @@ def test_without_arrival_stamps_the_probe_says_nothing():
         _, got = _probe(link.receiver, link.sender, key, key, "inprocess")
         assert got == {"sample": None}
         assert link.receiver.pending().idle
+
+
+def _arrival(first_look, window, completed, nbytes=4000):
+    return Arrival(0.0, first_look, window, completed, nbytes)
+
+
+@pytest.mark.parametrize("stamps,sample", [
+    # the train from the anchor is two messages: the second's bytes over their time
+    ([("0", _arrival(True, 0.0002, 1.0)), ("1", _arrival(False, 0.0005, 1.010)),
+      ("1", _arrival(True, 0.0002, 1.014, 3000))], (3000, 0.004 + 0.0005)),
+    # three: the last message's end, the anchor's own window
+    ([("1", _arrival(False, 0.0005, 1.010)), ("1", _arrival(True, 0.0009, 1.012, 2000)),
+      ("1", _arrival(True, 0.0001, 1.020, 5000))], (7000, 0.010 + 0.0005)),
+    # the one after the anchor landed with it (a coarse clock), the last later: still a train
+    ([("1", _arrival(False, 0.0005, 1.010)), ("1", _arrival(True, 0.0001, 1.010, 2000)),
+      ("1", _arrival(True, 0.0001, 1.020, 5000))], (7000, 0.010 + 0.0005)),
+    # the last ended no later than the anchor: no time to divide by
+    ([("0", _arrival(True, 0.0002, 1.0)), ("1", _arrival(False, 0.0005, 1.010)),
+      ("1", _arrival(True, 0.0002, 1.010))], None),
+], ids=["two", "three", "together", "no_time"])
+def test_the_train_from_the_anchor_needs_two_messages_and_some_time(stamps, sample):
+    got = receive_probe(_Stamped(stamps), "r", None, timeout_s=5)
+    assert got == (sample if sample is None else (sample[0], pytest.approx(sample[1])))
+
+
+class _Clock:
+    def __init__(self, now=100.0):
+        self.now = now
+
+    def __call__(self):
+        return self.now
+
+
+class _Waits(_Stamped):
+    """`_Stamped`, noting each wait it is given and moving the clock on after the first."""
+
+    def __init__(self, stamps, clock, step):
+        super().__init__(stamps)
+        self.clock, self.step, self.waits = clock, step, []
+
+    def recv(self, request_id, timeout):
+        self.waits.append(timeout)
+        self.clock.now += self.step
+        return super().recv(request_id, timeout)
+
+    def abort(self, request_id):
+        self.aborted = True
+
+
+def test_the_receive_waits_until_its_deadline_and_names_the_probe_past_it(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(probe.time, "monotonic", clock)
+    stamps = [("0", _arrival(True, 0.0002, 1.0)), ("1", _arrival(False, 0.0005, 1.010))]
+    waits = _Waits(stamps, clock, 2.0)
+    receive_probe(waits, "r", None, timeout_s=100)  # beyond the transfer's default stall
+    assert waits.waits == [100.0, 98.0, 96.0]
+    waits = _Waits(stamps, clock, 0.0)
+    receive_probe(waits, "r", None)
+    assert waits.waits == [30.0] * 3  # the default
+    late = _Waits(stamps, clock, 6.0)
+    with pytest.raises(TimeoutError, match="^transfer probe-7: deadline passed"):
+        receive_probe(late, "probe-7", None, timeout_s=5)
+    assert late.aborted and late.waits == [5.0]
+    odd = _Stamped([])
+    odd.inbox.insert(0, Message("r", 0, "layer.0"))
+    odd.abort = lambda request_id: None
+    with pytest.raises(TransportError, match=r"^probe r: unexpected message 'layer\.0'$"):
+        receive_probe(odd, "r", None, timeout_s=5)
+
+
+class _Posted:
+    """A sender that notes what it is given; each flush moves the clock on by the next of
+    `stage_s` (a stage's time to leave)."""
+
+    def __init__(self, clock, stage_s):
+        self.clock, self.stage_s = clock, list(stage_s)
+        self.sent, self.flushes = [], []
+
+    def send(self, message):
+        self.sent.append(message)
+
+    def flush(self, *args):
+        self.flushes.append(args)
+        self.clock.now += self.stage_s.pop(0) if self.stage_s else 0.0
+
+
+def test_the_sender_flushes_each_stage_and_stops_after_a_slow_one(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(probe.time, "perf_counter", clock)
+    stages = (8, 16, 32, 64)
+    # stage 0 slow (not counted), stage 1 fast, stage 2 exactly the limit: stop there
+    posted = _Posted(clock, [1.0, 0.25, 0.5])
+    sent = send_probe(posted, "p", None, stages, stage_s=0.5, timeout_s=7.0)
+    assert [(m.name, m.header) for m in posted.sent] == [
+        *[(PROBE, b"0")] * 8, *[(PROBE, b"1")] * 8, *[(PROBE, b"2")] * 8, (PROBE_END, b"")]
+    assert [list(m.buffers) for m in posted.sent[:-1]] == [["bytes"]] * 24
+    assert [m.buffers["bytes"].numel() for m in posted.sent[:-1]] == [1] * 8 + [2] * 8 + [4] * 8
+    assert [m.seq for m in posted.sent] == list(range(25))
+    assert posted.flushes == [("p", 7.0)] * 4
+    assert sent == probe.ProbeSent(8 + 16 + 32, 1.75)
+    defaults = _Posted(clock, [1.0, 1.0])
+    send_probe(defaults, "q", None, stages, stage_s=0.5)
+    assert defaults.flushes == [("q", 30.0)] * 3

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rekv_core import cpu_bf16
 from rekv_core.model import blocks
 from rekv_core.model.blocks import BF16_VIA_FLOAT32_MIN_ROWS, EXEC_BLOCK, linear
 
@@ -63,8 +64,15 @@ def test_a_chunked_product_equals_the_whole(via_float32, rows):
     assert torch.equal(whole[-tail:], expected)
 
 
-def test_the_cpu_check_matches_the_cpu():
+def test_the_cpu_check_matches_the_cpu(monkeypatch):
+    """The flags `cpu_bf16` reads are the instructions torch's own CPU check finds; a cap on the
+    kernels' instruction set sends BF16 GEMMs through float32 as on a CPU without them."""
     cpu = torch.cpu
     native = cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported()
-    assert blocks.cpu_has_native_bf16() == (native or not cpu._is_avx2_supported())
+    if not cpu._is_avx2_supported():
+        pytest.skip("not x86 with AVX2: BF16 goes to the native kernels whatever the flags")
+    assert cpu_bf16.native(environ={}).native == native
+    assert blocks.cpu_has_native_bf16() == cpu_bf16.native().native
     assert blocks.BF16_VIA_FLOAT32 == (not blocks.cpu_has_native_bf16())
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not blocks.cpu_has_native_bf16()

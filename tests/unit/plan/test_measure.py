@@ -69,3 +69,42 @@ def test_a_profile_holds_what_was_measured_and_how(monkeypatch):
         torch_threads=torch.get_num_threads(), layer_cost=layer_cost,
         quantize_ms_per_mib={"int8": 0.5, "int4": 0.75},
         restore_ms_per_mib={"int8": 0.25, "int4": 0.5}, meta={"codec_prompt_len": 1024})
+
+
+class _Fake:
+    """A codec that ranks tokens and records what it was given."""
+
+    importance_window = 4
+
+    def __init__(self):
+        self.encoded, self.decoded = [], []
+
+    def encode(self, k, v, **kwargs):
+        self.encoded.append((k, v, kwargs))
+        return ("payload", len(self.encoded))
+
+    def decode(self, encoded):
+        self.decoded.append(encoded)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_codec_costs_time_the_codec_on_seeded_bf16_kv_on_the_device(monkeypatch, device):
+    """K and V: the first two draws of a generator seeded 0, in BF16 on `device`; every encode
+    gets the fixed timing ranking (earlier tokens first); decode gets what encode returned."""
+    fake = _Fake()
+    monkeypatch.setattr(measure, "get_codec", lambda name: fake)
+    monkeypatch.setattr(measure, "median_seconds", lambda fn, repeats, dev: (fn(), 0.001)[1])
+    shape = get_preset("smollm2-135m")
+    measure.measure_codec_costs("spectrum30", shape, prompt_len=8, device=device)
+    assert len(fake.encoded) == 2 and fake.decoded == [("payload", 1)]
+    generator = torch.Generator().manual_seed(0)
+    kv = (shape.num_kv_heads, 8, shape.head_dim)
+    want_k, want_v = (torch.randn(kv, generator=generator).to(torch.bfloat16) for _ in range(2))
+    for k, v, kwargs in fake.encoded:
+        assert k.device.type == v.device.type == device
+        assert k.dtype == v.dtype == torch.bfloat16 and tuple(k.shape) == kv
+        ranking = kwargs["context"].token_importance
+        assert ranking.device.type == device and tuple(ranking.shape) == (8,)
+        if device == "cpu":
+            assert torch.equal(k, want_k) and torch.equal(v, want_v)
+            assert torch.equal(ranking, torch.linspace(1.0, 0.0, 8))

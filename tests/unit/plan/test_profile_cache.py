@@ -207,3 +207,143 @@ def test_a_profile_measured_under_load_is_measured_again_and_replaced(tiny_model
         again.layer_cost.at(length)))
     kept = cache.cached_profile(tiny_model, ["int8"], tmp_path)
     assert kept.meta["source"] == "cache" and kept.layer_cost.ms == again.layer_cost.ms
+
+
+def test_the_cache_logs_what_it_loads_measures_and_ignores(tiny_model, counted, tmp_path,
+                                                          caplog, monkeypatch):
+    """Each line names the file or the model, the machine and the codecs; a profile lacking a
+    codec's restore figure (its encode figure kept) is measured again for that codec; a profile
+    measured on a busy machine says so, and keeps saying so when a codec is added to it."""
+    print_ = cache.model_fingerprint(tiny_model)
+    path = cache.cache_path(print_, tmp_path)
+    with caplog.at_level(logging.INFO, logger="rekv.plan.profile_cache"):
+        monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: True)
+        cache.cached_profile(tiny_model, [], tmp_path)
+        monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: False)
+        measured_at = json.loads(path.read_text())["meta"]["measured_at"]
+        assert json.loads(path.read_text())["meta"]["measured_busy"] is True
+        cache.cached_profile(tiny_model, [], tmp_path)
+        saved = json.loads(path.read_text())
+        saved["quantize_ms_per_mib"]["int8"] = 1.0  # an encode figure without a restore one
+        path.write_text(json.dumps(saved))
+        cache.cached_profile(tiny_model, ["int8", "int4"], tmp_path)
+        assert json.loads(path.read_text())["meta"]["measured_busy"] is True
+        saved = json.loads(path.read_text())
+        del saved["meta"]["measured_at"]
+        path.write_text(json.dumps(saved))
+        cache.cached_profile(tiny_model, [], tmp_path)
+    messages = [r.getMessage() for r in caplog.records if r.getMessage().startswith(
+        "profile cache: ") and "one layer" not in r.getMessage()]
+    machine = print_["machine"]
+    assert messages == [
+        f"profile cache: measuring mini-qwen2.5-7b on {machine} (no codecs)",
+        f"profile cache: loaded {path} (measured {measured_at})",
+        f"profile cache: measuring mini-qwen2.5-7b on {machine} (int8, int4)",
+        f"profile cache: loaded {path} (measured at an unknown time)"]
+    assert counted["codecs"] == ["int8", "int4"]
+
+
+def test_an_unreadable_or_foreign_entry_is_ignored(tiny_model, tmp_path, caplog):
+    print_ = cache.model_fingerprint(tiny_model)
+    path = cache.cache_path(print_, tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="rekv.plan.profile_cache"):
+        assert cache.load_cached(print_, tmp_path) is None
+    (record,) = caplog.records
+    with pytest.raises(ValueError) as error:
+        cache.Profile.load(path)
+    assert record.getMessage() == f"profile cache: ignoring {path} ({error.value})"
+    foreign = cache.Profile(model="mini-qwen2.5-7b", device="cpu", dtype="float32",
+                            torch_threads=1, layer_cost=LayerCost([16], [1.0]),
+                            quantize_ms_per_mib={}, restore_ms_per_mib={},
+                            meta={"fingerprint": {**print_, "torch_threads": 99}})
+    foreign.save(path)
+    assert cache.load_cached(print_, tmp_path) is None
+    foreign.meta["fingerprint"] = print_
+    foreign.save(path)
+    assert cache.load_cached(print_, tmp_path) is not None
+
+
+def test_the_file_name_is_the_model_made_safe_and_the_sorted_fingerprints_digest(tmp_path):
+    import hashlib
+
+    print_ = {"model": "Qwen/Qwen2.5 7B:int", "machine": "m", "torch": "2", "device": "cpu",
+              "dtype": "bfloat16", "torch_threads": 2}
+    digest = hashlib.sha256(json.dumps(print_, sort_keys=True).encode()).hexdigest()[:16]
+    assert cache.cache_path(print_, tmp_path) == tmp_path / f"Qwen_Qwen2.5_7B_int-{digest}.json"
+    reordered = dict(reversed(list(print_.items())))
+    assert cache.cache_path(reordered, tmp_path) == cache.cache_path(print_, tmp_path)
+
+
+def test_a_measurement_is_logged_rounded_and_a_missing_codec_measured_on_the_models_device(
+        tiny_model, tmp_path, monkeypatch, caplog):
+    """The measured figures logged to 3 decimals; a codec added to a cached profile is timed on
+    the model's device, as the first measurement times them."""
+    asked = []
+
+    def profile(model, codecs, lengths, codec_len):
+        return cache.Profile(model=model.shape.name, device="cpu", dtype="float32",
+                             torch_threads=1, layer_cost=LayerCost(list(lengths), [1.23456, 2.0]),
+                             quantize_ms_per_mib={c: 0.98765 for c in codecs},
+                             restore_ms_per_mib={c: 0.5 for c in codecs})
+
+    def codec_costs(name, shape, length, device="the default"):
+        asked.append((name, length, device))
+        return 3.14159, 2.71828
+
+    monkeypatch.setattr(cache, "STARTUP_LAYER_LENGTHS", (16, 64))
+    monkeypatch.setattr(cache, "MEASURE_ROUNDS", 1)
+    monkeypatch.setattr(cache, "measure_profile", profile)
+    monkeypatch.setattr(cache, "measure_codec_costs", codec_costs)
+    monkeypatch.setattr(cache, "stale", lambda *args, **kwargs: False)
+    monkeypatch.setattr(cache, "live_layer_ms", lambda model, length=cache.CHECK_LENGTH: 1.0)
+    monkeypatch.setattr(cache, "machine_busy", lambda window_s=0.0: False)
+    with caplog.at_level(logging.INFO, logger="rekv.plan.profile_cache"):
+        cache.cached_profile(tiny_model, ["int8"], tmp_path)
+        cache.cached_profile(tiny_model, ["int8", "int4"], tmp_path)
+    lines = [r.getMessage() for r in caplog.records if "one layer" in r.getMessage()]
+    assert lines == [
+        "profile cache: mini-qwen2.5-7b, one layer [1.235, 2.0] ms at [16, 64] tokens; encode "
+        "{'int8': 0.988}, restore {'int8': 0.5} ms/MiB",
+        "profile cache: mini-qwen2.5-7b, one layer [1.235, 2.0] ms at [16, 64] tokens; encode "
+        "{'int8': 0.988, 'int4': 3.142}, restore {'int8': 0.5, 'int4': 2.718} ms/MiB"]
+    assert asked == [("int4", cache.STARTUP_CODEC_LENGTH, tiny_model.device)]
+
+
+def test_a_profile_is_written_whole_beside_its_entry_into_a_new_folder(tmp_path, monkeypatch):
+    """The folder made with its parents; the file written to a temporary file named after the
+    entry (never *.json) in the same folder, then renamed over it (atomic on one file system)."""
+    made = []
+    real = cache.tempfile.mkstemp
+
+    def mkstemp(**kwargs):
+        made.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(cache.tempfile, "mkstemp", mkstemp)
+    path = tmp_path / "a" / "b" / "entry-0123.json"
+    profile = cache.Profile(model="m", device="cpu", dtype="float32", torch_threads=1,
+                            layer_cost=LayerCost([16], [1.0]), quantize_ms_per_mib={},
+                            restore_ms_per_mib={})
+    cache._save(profile, path)
+    assert made == [{"prefix": "entry-0123.json", "suffix": ".tmp", "dir": path.parent}]
+    assert path.read_text() == json.dumps(profile.to_json(), indent=1) + "\n"
+    assert path.stat().st_mode & 0o777 == 0o644  # readable by the machine's other users
+    assert sorted(path.parent.iterdir()) == [path]
+
+
+def test_a_profile_that_cannot_be_kept_says_where_and_why(tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    path = blocker / "entry.json"
+    with pytest.raises(OSError) as error:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    profile = cache.Profile(model="m", device="cpu", dtype="float32", torch_threads=1,
+                            layer_cost=LayerCost([16], [1.0]), quantize_ms_per_mib={},
+                            restore_ms_per_mib={})
+    with caplog.at_level(logging.WARNING, logger="rekv.plan.profile_cache"):
+        cache._save(profile, path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"profile cache: cannot keep the profile in {blocker} ({error.value}); measuring again "
+        f"at the next start"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rekv_core.model.sampling import Sampler, SamplingParams
+from services.serving import call_threads
 from services.settings import ServiceSettings
 
 
@@ -39,6 +40,30 @@ def test_settings_come_from_flags_then_environment(monkeypatch):
         ServiceSettings.from_args("prefill", ["--link-gbps", "fast"])
     with pytest.raises(ValueError, match="device"):
         ServiceSettings.from_args("prefill", ["--device", "tpu"])
+
+
+def test_the_prefill_schedulers_settings_are_read_and_checked(monkeypatch):
+    monkeypatch.setenv("REKV_PLAINTEXT", "true")
+    s = ServiceSettings.from_args("prefill", [])
+    assert s.prefill_token_budget == 2048 and not s.batch_invariant
+    assert s.prefill_catch_up_layers == 8
+    monkeypatch.setenv("REKV_BATCH_INVARIANT", "true")
+    s = ServiceSettings.from_args("prefill", ["--prefill-token-budget", "0",
+                                              "--prefill-catch-up-layers", "0"])
+    assert s.prefill_token_budget == 0 and s.batch_invariant and s.prefill_catch_up_layers == 0
+    with pytest.raises(ValueError, match=r"prefill_catch_up_layers: must be >= 0 \(0: off\)"):
+        ServiceSettings.from_args("prefill", ["--prefill-catch-up-layers", "-2"])
+    with pytest.raises(ValueError, match=r"prefill_token_budget: must be >= 0 \(0: no "):
+        ServiceSettings.from_args("prefill", ["--prefill-token-budget", "-1"])
+
+
+@pytest.mark.parametrize("role,args", [("prefill", []), ("decode", ["--prefill-address", "h:1"])])
+def test_every_admitted_call_has_a_thread_for_its_blocking_work(monkeypatch, role, args):
+    monkeypatch.setenv("REKV_PLAINTEXT", "true")
+    settings = ServiceSettings.from_args(role, args + ["--max-queue", "100"])
+    admitted = settings.max_concurrent + settings.max_queue + (
+        settings.max_batch if role == "decode" else 0)
+    assert call_threads(settings) > admitted
 
 
 def test_the_deployments_quality_default_comes_from_the_flag_or_rekv_quality(monkeypatch):

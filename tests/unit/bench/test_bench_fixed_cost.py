@@ -1,0 +1,54 @@
+"""bench/fixed_cost.py's reading of a request's trace: the instants on its critical path, taken
+from the right spans of both services, and phases that add up to the TTFT the trace spans."""
+
+import pytest
+
+from rekv_cli.bench.otlp_collector import CollectedSpan
+from tests.support.paths import ROOT, load_script
+
+fixed_cost = load_script(ROOT / "bench" / "fixed_cost.py", "fixed_cost")
+MS = 1_000_000
+
+
+def _span(name, span_id, parent, start, end, service="rekv-decode", events=(), **attributes):
+    return CollectedSpan(service, name, "t" * 32, span_id, parent, "INTERNAL", start * MS,
+                         end * MS, attributes, [(event, at * MS) for event, at in events], False)
+
+
+def _trace():
+    """A request whose instants are 0, 1, 3, 6, … ms apart (each gap one more than the last)."""
+    return [
+        _span("rekv.v1.Decode/Generate", "g", "", 0, 200),
+        _span("admission", "a", "g", 0, 1),
+        _span("handoff", "h", "g", 3, 150, **{"rekv.codec": "int8", "rekv.cut": 12}),
+        _span("negotiation", "n", "h", 6, 90),
+        _span("rekv.v1.Prefill/Handoff", "p", "n", 10, 88, service="rekv-prefill"),
+        _span("plan", "pl", "p", 15, 21, service="rekv-prefill"),
+        _span("send", "s", "p", 28, 55, service="rekv-prefill", **{"rekv.prefill_ms": 20.0}),
+        _span("control", "c", "s", 36, 36, service="rekv-prefill", events=[("plan", 36)]),
+        _span("boundary", "b", "s", 45, 45, service="rekv-prefill", events=[("boundary", 45)]),
+        _span("prefix_layers", "l", "s", 50, 54, service="rekv-prefill",
+              events=[("layer.0", 50), ("layer.1", 54)]),
+        _span("suffix", "x", "h", 46, 60),
+        _span("join", "j", "h", 60, 66),
+        _span("first_token", "f", "g", 70, 78),
+    ]
+
+
+def test_the_instants_come_from_both_services_spans_and_the_phases_add_up():
+    row = fixed_cost.breakdown(_trace())
+    gaps = list(row["phases_ms"].values())
+    assert list(row["phases_ms"]) == list(fixed_cost.PHASES.values())
+    assert gaps == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0]
+    assert sum(gaps) == row["ttft_ms"] == 78.0
+    assert row["prefill_ms"] == 20.0 and row["beyond_prefill_ms"] == 58.0
+    assert row["action"] == "int8/12"
+
+
+def test_a_trace_missing_a_span_or_its_messages_is_named():
+    spans = [s for s in _trace() if s.name != "join"]
+    with pytest.raises(ValueError, match=r"join: 0 spans in the trace, want 1"):
+        fixed_cost.breakdown(spans)
+    only_plan = [s for s in _trace() if s.name not in ("boundary", "prefix_layers")]
+    with pytest.raises(ValueError, match="send: 1 message events under it"):
+        fixed_cost.breakdown(only_plan)
