@@ -2,8 +2,8 @@
 `splitzip` (see `base` for the contract)."""
 
 from rekv_core.codecs.base import (Codec, CorruptPayloadError, EncodeContext, EncodedKV,
-                                   LayerBytes, codec_names, codec_versions,
-                                   get_codec, register_codec)
+                                   LayerBytes, check_codec_name, codec_names, codec_versions,
+                                   get_codec, register_codec, registered_layer_bytes)
 from rekv_core.codecs.bf16 import BF16Codec
 from rekv_core.codecs.groupwise import GroupwiseIntCodec
 from rekv_core.codecs.int4h import HadamardInt4Codec
@@ -23,4 +23,5 @@ register_codec("splitzip", SplitZipCodec)  # lossless BF16 exponent coding
 __all__ = ["BASELINE_CODEC", "BF16Codec", "Codec", "CorruptPayloadError", "EncodeContext",
            "EncodedKV", "GroupwiseIntCodec", "HadamardInt4Codec", "LayerBytes", "SpectrumCodec",
            "SplitZipCodec",
-           "codec_names", "codec_versions", "get_codec", "register_codec"]
+           "check_codec_name", "codec_names", "codec_versions", "get_codec", "register_codec",
+           "registered_layer_bytes"]

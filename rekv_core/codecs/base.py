@@ -23,6 +23,7 @@ which codec. `register_codec` adds a codec class to the registry; `get_codec(nam
 
 from __future__ import annotations
 
+import functools
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
@@ -265,9 +266,20 @@ def codec_versions() -> dict[str, int]:
     return {name: get_codec(name).version for name in _REGISTRY}
 
 
+@functools.lru_cache(maxsize=4096)
+def registered_layer_bytes(name: str, shape: tuple[int, int, int]) -> LayerBytes:
+    """`get_codec(name).layer_bytes(shape)`, remembered: a name is registered once and for good,
+    its factory takes no argument, and the planner asks for the same few shapes for every
+    candidate it ranks."""
+    return get_codec(name).layer_bytes(shape)
+
+
 def get_codec(name: str) -> Codec:
-    try:
-        return _REGISTRY[name]()
-    except KeyError:
-        raise ValueError(f"unknown codec {name!r}; registered codecs: "
-                         f"{', '.join(_REGISTRY)}") from None
+    check_codec_name(name)
+    return _REGISTRY[name]()
+
+
+def check_codec_name(name: str) -> None:
+    """Raise `ValueError` naming the registered codecs unless `name` is one (without making it)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown codec {name!r}; registered codecs: {', '.join(_REGISTRY)}")

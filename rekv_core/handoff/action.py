@@ -50,10 +50,12 @@ first token; the seed's byte figures count only `state` = boundary + prefix + sc
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 
-from rekv_core.codecs import BASELINE_CODEC, Codec, LayerBytes, get_codec
+from rekv_core.codecs import (BASELINE_CODEC, Codec, LayerBytes, check_codec_name, get_codec,
+                              registered_layer_bytes)
 from rekv_core.codecs.lynx import BASE_CODEC as PROGRESSIVE_CODEC
 from rekv_core.handoff.boundary import boundary_bytes, check_coding
 from rekv_core.model.blocks import EXEC_BLOCK
@@ -89,7 +91,7 @@ class Action:
         if self.split and not 0 < self.cut < self.num_layers:
             raise ValueError(f"split: a token split needs an interior cut, cut is {self.cut} of "
                              f"{self.num_layers}")
-        self.registered_codec  # raises ValueError naming the registered codecs
+        check_codec_name(self.codec)  # raises ValueError naming the registered codecs
         if not isinstance(self.progressive, bool):
             raise ValueError(f"progressive: must be true or false, got {self.progressive!r}")
         if self.progressive and (self.codec != PROGRESSIVE_CODEC or self.cut == 0 or self.split):
@@ -211,8 +213,10 @@ class WireBytes:
         return cls(prefix=layer.data, scales=layer.scales)
 
 
+@functools.lru_cache(maxsize=8192)
 def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
-    """Payload bytes of `action` for a prompt of `seq_len` tokens: eqs. (2), (5) and (7)."""
+    """Payload bytes of `action` for a prompt of `seq_len` tokens: eqs. (2), (5) and (7).
+    Remembered per argument (all three are immutable): the planner asks for every candidate's."""
     if action.num_layers != shape.num_layers:
         raise ValueError(f"action: built for {action.num_layers} layers, model {shape.name} has "
                          f"{shape.num_layers}")
@@ -234,8 +238,8 @@ def sent_layer_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireByt
     """One layer sent as KV, in `prefix` and `scales`: its codec's bytes, or under the per-layer
     form its BF16 input rows [0, l) (counted in `prefix`) and its coded rows [l, S)."""
     rows = seq_len - action.layer_split
-    coded = WireBytes.of_layer(action.registered_codec.layer_bytes(
-        (shape.num_kv_heads, rows, shape.head_dim)))
+    coded = WireBytes.of_layer(registered_layer_bytes(
+        action.codec, (shape.num_kv_heads, rows, shape.head_dim)))
     return coded + WireBytes(prefix=action.layer_split * shape.hidden_size * BF16_BYTES)
 
 
@@ -251,9 +255,9 @@ def before_residuals(action: Action, wire: WireBytes) -> WireBytes:
 def _split_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     """A token split: the prefix layers whole, the suffix layers' rows [l, S), the boundary's
     rows [0, l), the head."""
-    n_kv, d_h, codec = shape.num_kv_heads, shape.head_dim, action.registered_codec
-    whole = codec.layer_bytes((n_kv, seq_len, d_h))
-    rows = codec.layer_bytes((n_kv, seq_len - action.split, d_h))
+    n_kv, d_h = shape.num_kv_heads, shape.head_dim
+    whole = registered_layer_bytes(action.codec, (n_kv, seq_len, d_h))
+    rows = registered_layer_bytes(action.codec, (n_kv, seq_len - action.split, d_h))
     suffix = shape.num_layers - action.cut
     return WireBytes(boundary=boundary_bytes(action.split * shape.hidden_size, action.boundary),
                      prefix=whole.data * action.cut + rows.data * suffix,

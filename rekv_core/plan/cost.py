@@ -86,14 +86,15 @@ streams) and returns the predictions sorted by predicted time; the first is the 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import registered_layer_bytes
 from rekv_core.codecs.lynx import BASE_CODEC as PROGRESSIVE_CODEC
 from rekv_core.handoff import Action, Order, WireBytes, before_residuals, wire_bytes
 from rekv_core.handoff.plan import can_pipeline
-from rekv_core.model.blocks import chunk_bounds
+from rekv_core.model.blocks import EXEC_BLOCK, chunk_bounds
 from rekv_core.model.shapes import ModelShape
 from rekv_core.plan.cost_inputs import CostInputs
 from rekv_core.plan.layer_split import layer_split_actions, layer_split_costs
@@ -137,7 +138,9 @@ def predict(action: Action, inputs: CostInputs) -> Prediction:
             if Order.LAYERS not in inputs.orders or tokens.total_ms < p.total_ms:
                 p = tokens
     load = (inputs.prefill_queue + inputs.decode_queue) * max(p.prefill_ms, p.r_ms)
-    return dataclasses.replace(p, load_ms=load)
+    # (not dataclasses.replace, which costs a third of a prediction: the planner makes hundreds)
+    return Prediction(p.action, p.total_ms, p.h_ms, p.x_ms, p.r_ms, p.j_ms, p.bytes,
+                      p.prefill_ms, load, p.pipelined)
 
 
 def pipelinable(action: Action, inputs: CostInputs) -> bool:
@@ -174,8 +177,8 @@ def _predict_streamed(action: Action, inputs: CostInputs) -> Prediction:
                           L * gamma, join, wire.total)
     alpha, restore = _alpha_ms(action, inputs)
     step = inputs.prefill_ms_per_layer + alpha
-    layer = before_residuals(action, WireBytes.of_layer(action.registered_codec.layer_bytes(
-        (shape.num_kv_heads, S, shape.head_dim))))
+    layer = before_residuals(action, WireBytes.of_layer(registered_layer_bytes(
+        action.codec, (shape.num_kv_heads, S, shape.head_dim))))
     w = (layer.prefix + layer.scales) / per_ms + m
     if action.layer_split:
         step, w, restore = layer_split_costs(inputs, action.codec, c).stages(S, action.layer_split)
@@ -246,9 +249,10 @@ def _predict_split(action: Action, inputs: CostInputs) -> Prediction:
     m, lat, join = inputs.message_ms, inputs.link_latency_ms, inputs.join_ms
     alpha, restore = _alpha_ms(action, inputs)
     kept = (S - l) / S  # a suffix layer's share of rows on the wire
-    codec = action.registered_codec
-    whole = WireBytes.of_layer(codec.layer_bytes((shape.num_kv_heads, S, shape.head_dim)))
-    rows = WireBytes.of_layer(codec.layer_bytes((shape.num_kv_heads, S - l, shape.head_dim)))
+    whole = WireBytes.of_layer(registered_layer_bytes(
+        action.codec, (shape.num_kv_heads, S, shape.head_dim)))
+    rows = WireBytes.of_layer(registered_layer_bytes(
+        action.codec, (shape.num_kv_heads, S - l, shape.head_dim)))
     layer_ms = [(whole.prefix + whole.scales) / per_ms + m] * c + [
         (rows.prefix + rows.scales) / per_ms + m] * (L - c)
     encode = [alpha] * c + [alpha * kept] * (L - c)
@@ -322,20 +326,27 @@ def _predict_after_prefill(action: Action, inputs: CostInputs) -> Prediction:
 def candidate_actions(shape: ModelShape, codecs: Iterable[str]) -> list[Action]:
     """Every (b, c) for the given prefix codecs, c in [1, L], plus token-only (c = 0); with
     `splitzip` among the codecs, every interior cut also with a SplitZip-coded boundary."""
+    return list(_candidate_actions(shape, tuple(dict.fromkeys(codecs))))
+
+
+@functools.lru_cache(maxsize=64)
+def _candidate_actions(shape: ModelShape, codecs: tuple[str, ...]) -> tuple[Action, ...]:
+    """`candidate_actions`, remembered: the same few (model, codecs) every request."""
     L = shape.num_layers
-    codecs = list(dict.fromkeys(codecs))
     actions = [Action.token_only(L)]
     for codec in codecs:
         actions += [Action(codec, c, L) for c in range(1, L + 1)]
         if "splitzip" in codecs:
             actions += [Action(codec, c, L, "splitzip") for c in range(1, L)]
-    return actions
+    return tuple(actions)
 
 
 def split_actions(inputs: CostInputs, codecs: Iterable[str]) -> list[Action]:
     """KVPR's token splits: for each codec and interior cut, the split l of the closed form
     (`token_split.best_split`), where it is one (0 < l < S)."""
     L, S = inputs.shape.num_layers, inputs.prompt_len
+    if S <= EXEC_BLOCK:  # no multiple of the block inside (0, S)
+        return []
     actions = []
     for codec in dict.fromkeys(codecs):
         for c in range(1, L):
@@ -369,7 +380,7 @@ def split_costs(inputs: CostInputs, codec: str, cut: int) -> SplitCosts:
     if not 0 < cut < shape.num_layers:
         raise ValueError(f"cut: must lie in (0, {shape.num_layers}), got {cut}")
     per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
-    layer = get_codec(codec).layer_bytes((shape.num_kv_heads, seq_len, shape.head_dim))
+    layer = registered_layer_bytes(codec, (shape.num_kv_heads, seq_len, shape.head_dim))
     layer_ms = (layer.data + layer.scales) / per_ms
     suffix_layers = shape.num_layers - cut
     prefix_ms = cut * layer_ms

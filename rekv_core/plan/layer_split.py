@@ -35,7 +35,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from rekv_core.codecs import get_codec
+from rekv_core.codecs import registered_layer_bytes
 from rekv_core.handoff import Action
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.shapes import ModelShape
@@ -131,7 +131,7 @@ def layer_split_costs(inputs: CostInputs, codec: str, cut: int) -> LayerSplitCos
     if not 1 <= cut <= shape.num_layers:
         raise ValueError(f"cut: must lie in [1, {shape.num_layers}], got {cut}")
     per_ms = inputs.link_gbps * 1e9 / 8 / 1e3
-    layer = get_codec(codec).layer_bytes((shape.num_kv_heads, S, shape.head_dim))
+    layer = registered_layer_bytes(codec, (shape.num_kv_heads, S, shape.head_dim))
     cost = inputs.codec_cost(codec)
     layer_mib = shape.kv_layer_bytes(S) / MiB  # α and the restore are per MiB of BF16 KV
     step = (inputs.prefill_ms_per_layer if inputs.streamed else 0.0) + (
@@ -149,6 +149,8 @@ def layer_split_actions(inputs: CostInputs, codecs: Iterable[str],
     """Each of `base`'s plain actions that sends layers (c ≥ 1, no other split, not Lynx's) at its
     best l, where that is above 0 (where an input row outweighs a K and V row, only where
     recomputing a row costs less than restoring it)."""
+    if len(allowed_layer_splits(inputs.prompt_len)) == 1:  # no l but 0 (S within one block)
+        return []
     wanted = set(codecs)
     actions = []
     for action in base:
