@@ -16,6 +16,7 @@ from rekv_core.engine import DecodeEngine, engine_step
 from rekv_core.model import KVCache, greedy_generate, prefill
 from rekv_core.model.batched import batched_decode_step
 from rekv_core.model.bucketed import BucketedDecoder
+from rekv_core.model.packed import PackedLinears
 from rekv_core.model.sampling import Sampler, SamplingParams
 from tests.support.engine_fakes import Observed, budget, stream, wait
 
@@ -171,10 +172,15 @@ def test_a_bf16_step_reads_each_weight_once_per_batch_unless_invariant(smollm_bf
                 for o, ids in zip(outs, prompts)]
 
     tokens = [int(o.logits.argmax()) for o in outs]
-    step, rows, real = engine_step(model, invariant=invariant), [], F.linear
+    rows, real, packed = [], F.linear, PackedLinears.linear
+    # every GEMM of the step goes through F.linear, or through oneDNN's packed weights where this
+    # CPU packs BF16 ones (AVX-512 BF16, AMX): the rows of each are counted either way
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    monkeypatch.setattr(PackedLinears, "linear",
+                        lambda self, x, w, b=None: rows.append(x.shape[0]) or packed(self, x, w, b))
+    step = engine_step(model, invariant=invariant)
     batched = step(model, tokens, caches())
-    monkeypatch.setattr(F, "linear", real)
+    monkeypatch.undo()
     assert set(rows) == ({1} if invariant else {3})
     alone = torch.stack([decode_step(model, t, c) for t, c in zip(tokens, caches())])
     assert batched.shape == alone.shape and bool(torch.isfinite(batched).all())
