@@ -28,9 +28,11 @@ path to its first token, in order (both processes read one clock: the spans' wal
     first token   `first_token` ends: the token's message leaves
 
 The phases are the gaps between consecutive instants; they add up to the TTFT the trace spans
-(first token − arrived). Beside them: the prefill's compute (`send`'s `prefill_ms`), and the
-TTFT less that compute, the fixed cost the issue asks to cut. Reported: each phase's median
-over the requests, per request too in the JSON. A gap can come out a little negative where two
+(first token − arrived). Beside them: the prompt's compute on both sides (the prefill's, `send`'s
+`prefill_ms`, and the decode worker's recompute from the boundary, `suffix`'s `compute_ms`), the
+wire time (the handoff's bytes at the link rate the plan used), the TTFT less the compute, and
+the goal's ratio: TTFT over compute plus wire (the issue asks for at most 1.5). Reported: each
+phase's median over the requests, per request too in the JSON. A gap can come out a little negative where two
 processes' readings of one instant differ by their rounding.
 """
 
@@ -101,14 +103,22 @@ def instants(spans: list[CollectedSpan]) -> dict[str, int]:
 
 
 def breakdown(spans: list[CollectedSpan]) -> dict:
-    """One request's phases (ms), its TTFT across the trace and its prefill compute."""
+    """One request's phases (ms), its TTFT across the trace, its compute on either side, its
+    wire time and the goal's ratio (module doc)."""
     at = instants(spans)
     phases = {PHASES[b]: (at[b] - at[a]) / 1e6 for a, b in zip(INSTANTS, INSTANTS[1:])}
     ttft_ms = (at["first_token"] - at["arrived"]) / 1e6
     prefill_ms = float(_one(spans, "send").attributes.get("rekv.prefill_ms", 0.0))
+    suffix = [s for s in spans if s.name == "suffix"]  # none when the prefill ran every layer
+    decode_ms = sum(float(s.attributes.get("rekv.compute_ms", 0.0)) for s in suffix)
     handoff = _one(spans, "handoff").attributes
+    gbps = float(_one(spans, "plan").attributes["rekv.link_gbps"])
+    wire_ms = int(handoff.get("rekv.bytes_total", 0)) * 8 / (gbps * 1e9) * 1e3
+    compute_ms = prefill_ms + decode_ms
     return {"phases_ms": phases, "ttft_ms": ttft_ms, "prefill_ms": prefill_ms,
-            "beyond_prefill_ms": ttft_ms - prefill_ms,
+            "beyond_prefill_ms": ttft_ms - prefill_ms, "decode_compute_ms": decode_ms,
+            "compute_ms": compute_ms, "beyond_compute_ms": ttft_ms - compute_ms,
+            "wire_ms": wire_ms, "over_compute_and_wire": ttft_ms / (compute_ms + wire_ms),
             "action": f"{handoff.get('rekv.codec')}/{handoff.get('rekv.cut')}"}
 
 
@@ -166,7 +176,8 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
             "median_phases_ms": medians,
             "median": {key: statistics.median(r[key] for r in rows)
                        for key in ("ttft_ms", "prefill_ms", "beyond_prefill_ms",
-                                   "summary_ttft_ms")}}
+                                   "decode_compute_ms", "compute_ms", "beyond_compute_ms",
+                                   "wire_ms", "over_compute_and_wire", "summary_ttft_ms")}}
 
 
 def report(result: dict) -> str:
@@ -183,8 +194,13 @@ def report(result: dict) -> str:
     lines += [f"| {name} | {ms:.2f} |" for name, ms in result["median_phases_ms"].items()]
     med = result["median"]
     lines += ["", f"TTFT across the trace {med['ttft_ms']:.1f} ms (the decode worker's own "
-              f"figure {med['summary_ttft_ms']:.1f} ms); the prefill's compute "
-              f"{med['prefill_ms']:.1f} ms; beyond it {med['beyond_prefill_ms']:.1f} ms."]
+              f"figure {med['summary_ttft_ms']:.1f} ms); the prompt's compute "
+              f"{med['compute_ms']:.1f} ms (the prefill worker's {med['prefill_ms']:.1f}, the "
+              f"decode worker's recompute {med['decode_compute_ms']:.1f}); beyond it "
+              f"{med['beyond_compute_ms']:.1f} ms; the wire {med['wire_ms']:.2f} ms at the "
+              f"plan's link rate. TTFT over compute plus wire: "
+              f"{med['over_compute_and_wire']:.2f} (median of the requests'; the goal: at "
+              f"most 1.5)."]
     return "\n".join(lines) + "\n"
 
 

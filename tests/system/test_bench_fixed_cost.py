@@ -25,4 +25,6 @@ def test_one_request_is_broken_into_phases_that_add_up(tmp_path):
     assert list(phases) == list(result["median_phases_ms"])
     assert abs(sum(phases.values()) - row["ttft_ms"]) < 1e-6
     assert all(ms > -SLACK_MS for ms in phases.values()), phases
-    assert "prefill: plan" in done.stdout and "TTFT across the trace" in done.stdout
+    assert row["compute_ms"] == row["prefill_ms"] + row["decode_compute_ms"] > 0
+    assert row["wire_ms"] > 0 and row["over_compute_and_wire"] > 0
+    assert "prefill: plan" in done.stdout and "TTFT over compute plus wire" in done.stdout
