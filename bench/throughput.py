@@ -2,7 +2,7 @@
 
     python bench/throughput.py [--prompt-tokens 512] [--requests 16] [--concurrency 4]
         [--max-new-tokens 4] [--dtype bfloat16] [--rounds 2] [--modes cut=30,planner] [--json FILE]
-        [--markdown FILE]
+        [--markdown FILE] [--service-arg=--prefill-token-budget=0 ...]
 
 One prefill and one decode service (`ServicePair`), each pinned to a core of its own with one torch
 thread (`taskset`, when there are two cores or more), on loopback: the link is not the limit here,
@@ -14,6 +14,9 @@ the order the planner predicts less for, layer or token order; the table counts 
   prefill pool's share of the work is c/L; c = L is the P/D default (the prefill computes every
   layer), c = 0 gives the decode pool everything;
 - `planner`: no forced action, the planner chooses from the loads both workers report.
+
+`--service-arg` passes a setting to both services (as `--service-arg=--prefill-token-budget=0`,
+the prefill worker without its scheduler); the JSON's `service_arg` records it.
 
 Reported per mode: completed requests per second of the mode's wall time, TTFT p50/p95 (the decode
 service's `ttft_ms`), the inter-token latency p50/p99/max the client saw (gaps between token
@@ -122,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--modes", default=None,
                         help="comma-separated subset, as cut=30,cut=15,planner (default: all)")
+    parser.add_argument("--service-arg", action="append", default=[],
+                        help="a setting for both services, as "
+                        "--service-arg=--prefill-token-budget=0")
     parser.add_argument("--json", metavar="FILE")
     parser.add_argument("--markdown", metavar="FILE")
     args = parser.parse_args(argv)
@@ -129,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
     pinned = (os.cpu_count() or 1) >= 2
     common = ["--dtype", args.dtype, "--torch-threads", "1", "--max-concurrent",
-              str(args.concurrency)]
+              str(args.concurrency),
+              *(part for arg in args.service_arg for part in arg.split("=", 1))]
     pair = ServicePair(common, common, log_dir=args.log_dir,
                        prefill_prefix=["taskset", "-c", "0"] if pinned else [],
                        decode_prefix=["taskset", "-c", "1"] if pinned else [])
