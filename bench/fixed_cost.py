@@ -2,15 +2,17 @@
 phase by phase, from both services' own traces.
 
     python bench/fixed_cost.py [--requests 20] [--prompt-tokens 32] [--warmup 3]
-                               [--service-arg=--dtype=float32 ...] [--json FILE]
-                               [--markdown FILE]
+                               [--concurrency 1] [--service-arg=--dtype=float32 ...]
+                               [--json FILE] [--markdown FILE]
 
 A prefill and a decode service on loopback (the first on core 0, the second on core 1 where there
 are two, one torch thread each, the shipped profile), exporting their spans over OTLP to a
 collector in this process (`rekv_cli/bench/otlp_collector.py`, the spans of
-`services/request_spans.py`). --warmup requests, then --requests, one at a time, each a
---prompt-tokens prompt of random token ids (its own seed) with one new token and the planner's
-choice, each in a trace of its own. From each request's spans, these instants on the critical
+`services/request_spans.py`). --warmup requests one at a time, then --requests in waves of
+--concurrency sent at once (1: one at a time; a wave starts when the last one's requests are all
+answered), each a --prompt-tokens prompt of random token ids (its own seed) with one new token and
+the planner's choice, each in a trace of its own. Under concurrency the phases show where a
+request waits for the others. From each request's spans, these instants on the critical
 path to its first token, in order (both processes read one clock: the spans' wall-clock time):
 
     arrived       `Decode/Generate` starts (the router's call is in)
@@ -46,6 +48,7 @@ import statistics
 import sys
 import tempfile
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -136,7 +139,8 @@ def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if (os.cpu_count() or 1) >= 2 else []
 
 
-def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[str]) -> dict:
+def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[str],
+            concurrency: int = 1) -> dict:
     collector = OtlpCollector()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"}
@@ -147,7 +151,7 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
     try:
         computes = {role: compute_info(pair.metrics_url(role)) for role in ("prefill", "decode")}
         with grpc.insecure_channel(pair.decode_address) as channel:
-            for i in range(-warmup, requests):
+            def one(i: int) -> None:
                 prompt = torch.randint(100, 4000, (prompt_tokens,),
                                        generator=torch.Generator().manual_seed(i)).tolist()
                 trace_id = secrets.token_hex(16)
@@ -158,6 +162,12 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
                     raise RuntimeError(f"request {i} fell back: {result.summary.fallback_reason}")
                 if i >= 0:
                     traces[trace_id], summaries[trace_id] = i, result.summary
+
+            for i in range(-warmup, 0):
+                one(i)
+            with ThreadPoolExecutor(concurrency) as pool:
+                for wave in range(0, requests, concurrency):
+                    list(pool.map(one, range(wave, min(requests, wave + concurrency))))
     finally:
         codes = pair.stop()  # each flushes its spans on the way out
         collector.stop()
@@ -172,6 +182,7 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
     medians = {name: statistics.median(r["phases_ms"][name] for r in rows)
                for name in PHASES.values()}
     return {"requests": requests, "warmup": warmup, "prompt_tokens": prompt_tokens,
+            "concurrency": concurrency,
             "service_args": settings, "compute": computes, "exit_codes": codes, "rows": rows,
             "median_phases_ms": medians,
             "median": {key: statistics.median(r[key] for r in rows)
@@ -187,7 +198,10 @@ def report(result: dict) -> str:
              f"command: `{result['command']}`",
              f"services compute in {result['compute']['decode']['dtype']} "
              f"({result['compute']['decode']['reason']}), one core and one torch thread each", "",
-             f"{result['requests']} requests one at a time after {result['warmup']} to warm up, "
+             f"{result['requests']} requests "
+             + (f"in waves of {result['concurrency']} at once"
+                if result.get("concurrency", 1) > 1 else "one at a time")
+             + f" after {result['warmup']} to warm up, "
              f"{result['prompt_tokens']}-token prompts, one new token, the planner's choice "
              f"({', '.join(sorted({r['action'] for r in result['rows']}))}):", "",
              "| phase | median (ms) |", "|:--|--:|"]
@@ -209,16 +223,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--service-arg", action="append", default=[],
                         help="a setting for both services, as --service-arg=--dtype=float32")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--markdown", help="write the report here")
     args = parser.parse_args(argv)
-    if args.requests < 1 or args.warmup < 0 or args.prompt_tokens < 1:
-        parser.error("--requests and --prompt-tokens must be >= 1, --warmup >= 0")
+    if args.requests < 1 or args.warmup < 0 or args.prompt_tokens < 1 or args.concurrency < 1:
+        parser.error("--requests, --prompt-tokens and --concurrency must be >= 1, --warmup >= 0")
     started = provenance(measures=MEASURES)
     service_args = [part for arg in args.service_arg for part in arg.split("=", 1)]
-    measured = measure(args.requests, args.warmup, args.prompt_tokens, service_args)
+    measured = measure(args.requests, args.warmup, args.prompt_tokens, service_args,
+                       args.concurrency)
     dtype = getattr(torch, measured["compute"]["decode"]["dtype"])
     result = {"machine": {**machine_info(torch.device("cpu"), dtype, 1), **started},
               "command": " ".join(["python", *sys.argv]), **measured}

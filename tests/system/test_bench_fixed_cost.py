@@ -1,5 +1,6 @@
-"""bench/fixed_cost.py end to end: a real pair exporting its spans to the script's collector, one
-request read into phases that add up to its TTFT, every figure in the JSON with its provenance."""
+"""bench/fixed_cost.py end to end: a real pair exporting its spans to the script's collector, two
+requests sent at once, each read into phases that add up to its TTFT, every figure in the JSON
+with its provenance."""
 
 import json
 import subprocess
@@ -13,18 +14,20 @@ SLACK_MS = 5.0  # two processes' readings of one clock, each span's ends rounded
 def test_one_request_is_broken_into_phases_that_add_up(tmp_path):
     out = tmp_path / "fixed.json"
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "fixed_cost.py"), "--requests",
-                           "1", "--warmup", "0", "--json", str(out)],
+                           "2", "--concurrency", "2", "--warmup", "0", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["exit_codes"] == {"decode": 0, "prefill": 0}
     assert result["compute"]["decode"]["dtype"] == result["compute"]["prefill"]["dtype"]
     assert result["machine"]["commit"] and "bench/fixed_cost.py" in result["machine"]["measures"]
-    (row,) = result["rows"]
-    phases = row["phases_ms"]
-    assert list(phases) == list(result["median_phases_ms"])
-    assert abs(sum(phases.values()) - row["ttft_ms"]) < 1e-6
-    assert all(ms > -SLACK_MS for ms in phases.values()), phases
-    assert row["compute_ms"] == row["prefill_ms"] + row["decode_compute_ms"] > 0
-    assert row["wire_ms"] > 0 and row["over_compute_and_wire"] > 0
+    assert result["concurrency"] == 2 and [row["request"] for row in result["rows"]] == [0, 1]
+    for row in result["rows"]:
+        phases = row["phases_ms"]
+        assert list(phases) == list(result["median_phases_ms"])
+        assert abs(sum(phases.values()) - row["ttft_ms"]) < 1e-6
+        assert all(ms > -SLACK_MS for ms in phases.values()), phases
+        assert row["compute_ms"] == row["prefill_ms"] + row["decode_compute_ms"] > 0
+        assert row["wire_ms"] > 0 and row["over_compute_and_wire"] > 0
+    assert "2 requests in waves of 2 at once" in done.stdout
     assert "prefill: plan" in done.stdout and "TTFT over compute plus wire" in done.stdout
