@@ -49,11 +49,12 @@ def describe_report(span: Span, report: HandoffReport) -> None:
 
 
 def describe_decision(span: Span, decision: Decision) -> None:
-    """The plan: the action, its predicted time, the link and queues it was planned on."""
+    """The plan: the action, why it was taken (the planner's rule), its predicted time, the link
+    and queues it was planned on."""
     if not span.recording:
         return
     action, inputs = decision.action, decision.inputs
-    span.set(codec=action.codec, cut=action.cut, boundary=action.boundary,
+    span.set(codec=action.codec, cut=action.cut, boundary=action.boundary, rule=decision.rule.value,
              predicted_ms=decision.predicted_ms, model_ms=decision.model_ms,
              delivery=decision.plan.delivery.order.value, link_gbps=inputs.link_gbps,
              link_measured=inputs.link_measured, prefill_queue=inputs.prefill_queue,

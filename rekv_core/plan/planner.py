@@ -31,7 +31,10 @@ Cold, it does not trust what it has not measured:
 - every `explore_every`-th decision for a prompt-length bucket, it tries the best candidate whose
   expectation does not rest on its own recent measurements and which the model alone expects
   within `EXPLORE_FACTOR` of the chosen action's expected time: an action rejected on a
-  neighbour's or its kind's correction gets measured again.
+  neighbour's or its kind's correction gets measured again. Only while both workers are idle
+  (no queue on either, as the inputs say): under load the model's error is the queue's, a trial
+  would measure the load more than the action, and its cost falls on every request behind it;
+  an exploration that falls due under load waits for the bucket's next idle decision.
 """
 
 from __future__ import annotations
@@ -149,6 +152,7 @@ class Planner:
         self.explore_every = explore_every
         self._last: dict[int, Action] = {}
         self._decisions: dict[int, int] = {}  # by length bucket, on a measured link
+        self._explore_due: set[int] = set()  # buckets whose exploration waits for an idle moment
         self._lock = threading.Lock()
 
     def allowed(self, action: Action, prompt_len: int, quality: Quality = DEFAULT_QUALITY
@@ -179,7 +183,8 @@ class Planner:
             chosen, rule = Ranked(prediction, expected_ms(prediction, inputs, evidence)), \
                 Rule.FORCED
         elif inputs.link_measured:
-            chosen, rule = self._best(ranked, evidence, length_bucket(inputs.prompt_len))
+            idle = inputs.prefill_queue == 0 and inputs.decode_queue == 0
+            chosen, rule = self._best(ranked, evidence, length_bucket(inputs.prompt_len), idle)
         else:
             chosen, rule = safe_choice(ranked, inputs, codecs, evidence), Rule.UNMEASURED_LINK
             with self._lock:
@@ -196,7 +201,8 @@ class Planner:
                            self.deployed(action.codec) if action.cut else None,
                            tuple(codebook) if codebook else None, chosen.expected_ms)
 
-    def _best(self, ranked: list[Ranked], evidence: Evidence, key: int) -> tuple[Ranked, Rule]:
+    def _best(self, ranked: list[Ranked], evidence: Evidence, key: int, idle: bool
+              ) -> tuple[Ranked, Rule]:
         known = _Known(evidence)
         margin = _cost(ranked[0]) * (1 + self.hysteresis)
         with self._lock:
@@ -205,6 +211,9 @@ class Planner:
                 r not in known, r.prediction.action != previous, _cost(r)))
             count = self._decisions[key] = self._decisions.get(key, 0) + 1
             if self.explore_every and count % self.explore_every == 0:
+                self._explore_due.add(key)
+            if idle and key in self._explore_due:
+                self._explore_due.discard(key)
                 trial = _exploration(ranked, known, best)
                 if trial is not None:
                     return trial, Rule.EXPLORE

@@ -120,6 +120,7 @@ def test_the_spans_carry_the_action_bytes_times_and_plan(traced):
     assert (plan["rekv.codec"], plan["rekv.cut"]) == ("int8", CUT)
     assert plan["rekv.predicted_ms"] == pytest.approx(handoff["rekv.predicted_ms"], rel=1e-6)
     assert plan["rekv.link_gbps"] > 0 and plan["rekv.candidates"]
+    assert plan["rekv.rule"] == "forced"  # the action the request named
     assert _one(mine, name="send").attributes["rekv.bytes_prefix"] == summary.bytes.prefix
     assert _one(mine, name="suffix").attributes["rekv.layers"] == 30 - CUT
     assert _one(mine, name="prefix_layers", service="rekv-decode").attributes[

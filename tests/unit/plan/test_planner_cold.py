@@ -150,12 +150,18 @@ def _every_measured_but(allowed, spared):
                               if p.action not in spared})
 
 
-def test_exploration_tries_a_near_unmeasured_action_every_nth_decision():
+def _near_unmeasured():
+    """The exploring world with one near action left unmeasured: (inputs, policy, allowed, that
+    action, the evidence)."""
     inputs, policy, allowed = _exploring_world()
     best_ms = allowed[0].total_ms
     near = next(p.action for p in allowed
                 if 1.1 * best_ms < p.total_ms < plan.EXPLORE_FACTOR * best_ms)
-    evidence = _every_measured_but(allowed, {near})
+    return inputs, policy, allowed, near, _every_measured_but(allowed, {near})
+
+
+def test_exploration_tries_a_near_unmeasured_action_every_nth_decision():
+    inputs, policy, allowed, near, evidence = _near_unmeasured()
     planner = Planner(policy, explore_every=4)
     rules = []
     for i in range(1, 13):
@@ -175,6 +181,24 @@ def test_exploration_tries_a_near_unmeasured_action_every_nth_decision():
     quiet = Planner(policy, explore_every=0)
     assert all(quiet.decide(inputs, ["bf16", "int8"], evidence).rule is Rule.BEST
                for _ in range(12))
+
+
+def test_exploration_waits_for_both_workers_to_be_idle():
+    """A due exploration under load (a queue on either worker) is not made; the bucket's next
+    idle decision makes it, and the count goes on from there: the 4th decision is loaded, the
+    5th explores, the 8th again."""
+    inputs, policy, allowed, near, evidence = _near_unmeasured()
+    planner = Planner(policy, explore_every=4)
+    loaded = {4: dataclasses.replace(inputs, prefill_queue=1),
+              6: dataclasses.replace(inputs, decode_queue=2)}
+    rules = [planner.decide(loaded.get(i, inputs), ["bf16", "int8"], evidence).rule
+             for i in range(1, 10)]
+    assert rules == [Rule.BEST] * 4 + [Rule.EXPLORE] + [Rule.BEST] * 2 + [Rule.EXPLORE, Rule.BEST]
+    # a decision under load never explores, however due
+    busy = Planner(policy, explore_every=1)
+    assert all(busy.decide(loaded[6], ["bf16", "int8"], evidence).rule is Rule.BEST
+               for _ in range(5))
+    assert busy.decide(inputs, ["bf16", "int8"], evidence).rule is Rule.EXPLORE
 
 
 def test_exploration_never_tries_a_far_action():
