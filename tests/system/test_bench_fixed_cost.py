@@ -29,5 +29,8 @@ def test_one_request_is_broken_into_phases_that_add_up(tmp_path):
         assert all(ms > -SLACK_MS for ms in phases.values()), phases
         assert row["compute_ms"] == row["prefill_ms"] + row["decode_compute_ms"] > 0
         assert row["wire_ms"] > 0 and row["over_compute_and_wire"] > 0
+        assert row["predicted_ms"] > 0 and row["measured_handoff_ms"] > 0
+        assert row["predicted_over_ttft"] == row["predicted_ms"] / row["ttft_ms"]
     assert "2 requests in waves of 2 at once" in done.stdout
+    assert "The planner predicted" in done.stdout
     assert "prefill: plan" in done.stdout and "TTFT over compute plus wire" in done.stdout

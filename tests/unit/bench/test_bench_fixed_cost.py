@@ -21,10 +21,12 @@ def _trace():
         _span("rekv.v1.Decode/Generate", "g", "", 0, 200),
         _span("admission", "a", "g", 0, 1),
         _span("handoff", "h", "g", 3, 150,
-              **{"rekv.codec": "int8", "rekv.cut": 12, "rekv.bytes_total": 3_000_000}),
+              **{"rekv.codec": "int8", "rekv.cut": 12, "rekv.bytes_total": 3_000_000,
+                 "rekv.measured_ms": 52.0}),
         _span("negotiation", "n", "h", 6, 90),
         _span("rekv.v1.Prefill/Handoff", "p", "n", 10, 88, service="rekv-prefill"),
-        _span("plan", "pl", "p", 15, 21, service="rekv-prefill", **{"rekv.link_gbps": 8.0}),
+        _span("plan", "pl", "p", 15, 21, service="rekv-prefill",
+              **{"rekv.link_gbps": 8.0, "rekv.predicted_ms": 39.0}),
         _span("send", "s", "p", 28, 55, service="rekv-prefill", **{"rekv.prefill_ms": 20.0}),
         _span("control", "c", "s", 36, 36, service="rekv-prefill", events=[("plan", 36)]),
         _span("boundary", "b", "s", 45, 45, service="rekv-prefill", events=[("boundary", 45)]),
@@ -48,13 +50,15 @@ def test_the_instants_come_from_both_services_spans_and_the_phases_add_up():
 
 def test_the_compute_on_both_sides_and_the_wire_set_the_goals_ratio():
     """20 ms of prefill and 12 of recompute; 3 MB at 8 Gb/s is 3 ms on the wire: the 78 ms TTFT
-    is 78 / 35 of compute plus wire. Without a suffix (the prefill ran every layer) the decode
-    side computed nothing."""
+    is 78 / 35 of compute plus wire. The plan's 39 ms against the 52 ms handoff and the 78 ms
+    TTFT. Without a suffix (the prefill ran every layer) the decode side computed nothing."""
     row = fixed_cost.breakdown(_trace())
     assert row["decode_compute_ms"] == 12.0 and row["compute_ms"] == 32.0
     assert row["beyond_compute_ms"] == 46.0
     assert row["wire_ms"] == pytest.approx(3.0)
     assert row["over_compute_and_wire"] == pytest.approx(78.0 / 35.0)
+    assert (row["predicted_ms"], row["measured_handoff_ms"]) == (39.0, 52.0)
+    assert row["predicted_over_handoff"] == 0.75 and row["predicted_over_ttft"] == 0.5
     whole = fixed_cost.breakdown([s for s in _trace() if s.name != "suffix"])
     assert whole["decode_compute_ms"] == 0.0 and whole["compute_ms"] == 20.0
 
