@@ -18,6 +18,7 @@ from rekv_core import env
 from rekv_core.codecs import codec_names
 from rekv_core.model.blocks import chunk_bounds
 from rekv_core.connector import DEFAULT_QUALITY, QUALITIES
+from rekv_core.engine.prefill_scheduler import DEFAULT_CATCH_UP, DEFAULT_TOKEN_BUDGET
 from rekv_core.settings import RuntimeSettings
 from rekv_core.transport import TRANSPORTS
 
@@ -125,10 +126,10 @@ class ServiceSettings(RuntimeSettings):
     # prefill: the scheduler's rows per tick (every streamed handoff in layer order is batched
     # with the others in flight, at most this many prompt rows per forward; the oldest prompt
     # always gets a block, then the least work left first); 0: one prefill at a time
-    prefill_token_budget: int = 2048
+    prefill_token_budget: int = DEFAULT_TOKEN_BUDGET
     # prefill: layers a short prompt arriving after others runs alone to reach their layer and
     # share their GEMMs from there on (a prompt waits at most this many ticks in all); 0: off
-    prefill_catch_up_layers: int = 8
+    prefill_catch_up_layers: int = DEFAULT_CATCH_UP
     # both: each prompt's batched prefill (prefill) and each stream's decode steps (decode) bit
     # for bit its lone one (the same kernels per prompt or row, no GEMM shared between them):
     # slower, for token-for-token agreement with the single-process reference under any batch

@@ -70,9 +70,6 @@ class Finished:
     hidden_out: torch.Tensor  # [S, d]: the rows leaving layer through − 1
 
 
-_END = object()
-
-
 class ScheduledPrefill:
     """One prompt in the scheduler: what it computed so far, and its consumer's view."""
 
@@ -94,8 +91,6 @@ class ScheduledPrefill:
         """The layers in order, then `Finished`; raises the error that ended the prompt."""
         while True:
             item = self._events.get()
-            if item is _END:
-                return
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -50,9 +50,8 @@ first token; the seed's byte figures count only `state` = boundary + prefix + sc
 from __future__ import annotations
 
 import enum
-import functools
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from rekv_core.codecs import (BASELINE_CODEC, Codec, LayerBytes, check_codec_name, get_codec,
                               registered_layer_bytes)
@@ -213,7 +212,7 @@ class WireBytes:
         return cls(prefix=layer.data, scales=layer.scales)
 
 
-@functools.lru_cache(maxsize=8192)
+@lru_cache(maxsize=8192)
 def wire_bytes(action: Action, shape: ModelShape, seq_len: int) -> WireBytes:
     """Payload bytes of `action` for a prompt of `seq_len` tokens: eqs. (2), (5) and (7).
     Remembered per argument (all three are immutable): the planner asks for every candidate's."""

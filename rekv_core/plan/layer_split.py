@@ -149,7 +149,7 @@ def layer_split_actions(inputs: CostInputs, codecs: Iterable[str],
     """Each of `base`'s plain actions that sends layers (c ≥ 1, no other split, not Lynx's) at its
     best l, where that is above 0 (where an input row outweighs a K and V row, only where
     recomputing a row costs less than restoring it)."""
-    if len(allowed_layer_splits(inputs.prompt_len)) == 1:  # no l but 0 (S within one block)
+    if inputs.prompt_len <= EXEC_BLOCK:  # no l but 0: no multiple of the block inside (0, S)
         return []
     wanted = set(codecs)
     actions = []
