@@ -97,6 +97,15 @@ def _prefill_work(engine: DecodeEngine, clock: FakeClock, token_layers: int,
     return threading.Thread(target=run, daemon=True)
 
 
+EOS = 0
+
+
+def _until(done: threading.Event):
+    """A sampler that produces tokens until `done` is set, then the end of sequence: a stream
+    that runs as long as the prefill work does, however the threads are scheduled."""
+    return lambda row: EOS if done.is_set() else 1
+
+
 @pytest.mark.parametrize("streams", [1, 3])
 def test_running_streams_keep_the_budget_while_prefill_work_runs(streams):
     """Every gap between two tokens of every stream stays within the budget while 60,000
@@ -107,12 +116,12 @@ def test_running_streams_keep_the_budget_while_prefill_work_runs(streams):
     budget = ItlBudget(40.0, idle_step_ms=12.0, token_layer_ms=PIECE_MS)
     engine = DecodeEngine(tiny_model(), 8, budget, observed, step, clock).start()
     try:
-        recorders = []
+        recorders, done = [], threading.Event()
         for i in range(streams):
-            s, recorder = stream(f"s{i}", empty_cache(tiny_model(), 512), 1, 400)
+            s, recorder = stream(f"s{i}", empty_cache(tiny_model(), 512), 1, 10**9,
+                                 _until(done), EOS)
             engine.join(s)
             recorders.append(recorder)
-        done = threading.Event()
         worker = _prefill_work(engine, clock, 60_000, done)
         worker.start()
         wait(done, "the prefill work")
@@ -123,7 +132,7 @@ def test_running_streams_keep_the_budget_while_prefill_work_runs(streams):
     assert sum(spent for spent, _, _ in observed.turns) == 60_000
     assert len(observed.turns) > 10  # it was cut into many turns between steps
     assert max(observed.gaps) * 1e3 <= budget.budget_ms + 1e-6
-    assert all(r.finish == "length" for r in recorders)
+    assert all(r.finish == "eos" for r in recorders)
 
 
 def test_a_batch_whose_step_takes_the_budget_still_lets_the_work_progress():
@@ -133,13 +142,15 @@ def test_a_batch_whose_step_takes_the_budget_still_lets_the_work_progress():
     engine = DecodeEngine(tiny_model(), 4, ItlBudget(40.0, 50.0, PIECE_MS), observed, step,
                           clock).start()
     try:
-        s, recorder = stream("s", empty_cache(tiny_model(), 512), 1, 300)
-        engine.join(s)
         done = threading.Event()
+        s, recorder = stream("s", empty_cache(tiny_model(), 512), 1, 10**9, _until(done), EOS)
+        engine.join(s)
         _prefill_work(engine, clock, 5 * MIN_PIECE, done).start()
         wait(done, "the prefill work")
+        wait(recorder.done, "the stream")
     finally:
         engine.close()
+    assert recorder.finish == "eos"
     assert all(spent == MIN_PIECE for spent, _, _ in observed.turns)
     assert len(observed.turns) == 5
     assert torch.isfinite(torch.tensor(observed.gaps)).all()
