@@ -15,6 +15,11 @@ through `run_layers_chunk`, so the K, V and hidden states are bit-identical to o
 whatever the allowances were. The smallest piece (one block of rows, one layer) runs even when
 the allowance is smaller: work always progresses. `TimedTurns` times a caller's turns and tells
 its load book when it computes.
+
+Turns that also offer `run_layers(model, h, start, stop, pos, cache) -> LayerRun` (`LayerTurns`:
+the decode worker's `engine.LayerBatcher`) take the whole run instead: `run_layers_in_turns`
+hands it over, so that the runs of several requests at the same layer share one batched call.
+`LayerRun.compute_s` is the run's share of the compute that served it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,18 @@ class _Unlimited:
 UNLIMITED: ComputeTurns = _Unlimited()
 
 
+@dataclass(frozen=True)
+class LayerRun:
+    h: torch.Tensor  # [n, d]: the rows leaving layer stop − 1
+    compute_s: float  # this run's share of the compute that served it
+
+
+class LayerTurns(ComputeTurns, Protocol):
+    def run_layers(self, model: Model, h: torch.Tensor, start: int, stop: int, pos: int,
+                   cache: KVCache) -> LayerRun:
+        """`run_layers_chunk(model, h, start, pos, cache, stop)`, done by these turns."""
+
+
 def piece(rows_left: int, layers_left: int, allowance: int) -> tuple[int, int]:
     """(rows, layers) of the next piece: all the rows through as many layers as the allowance
     holds, else as many whole blocks of rows as it holds through one layer; at least one block
@@ -68,8 +85,17 @@ def piece(rows_left: int, layers_left: int, allowance: int) -> tuple[int, int]:
 @torch.inference_mode()
 def run_layers_in_turns(model: Model, h: torch.Tensor, start: int, stop: int, pos: int,
                         cache: KVCache, turns: ComputeTurns = UNLIMITED) -> torch.Tensor:
-    """`run_layers_chunk(model, h, start, pos, cache, stop)` in pieces, each in its own turn; the
-    residual states leaving layer stop − 1, `[n, d]`."""
+    """`run_layers_chunk(model, h, start, pos, cache, stop)` in pieces, each in its own turn (or
+    handed whole to `turns.run_layers` where the turns offer it); the residual states leaving
+    layer stop − 1, `[n, d]`."""
+    run_layers = getattr(turns, "run_layers", None)
+    if run_layers is not None:
+        return run_layers(model, h, start, stop, pos, cache).h
+    return _run_in_pieces(model, h, start, stop, pos, cache, turns)
+
+
+def _run_in_pieces(model: Model, h: torch.Tensor, start: int, stop: int, pos: int,
+                   cache: KVCache, turns: ComputeTurns) -> torch.Tensor:
     n = h.shape[0]
     outs: list[torch.Tensor] = []
     row = 0
@@ -112,7 +138,8 @@ def prefill_in_turns(model: Model, token_ids: Sequence[int], cache: KVCache,
 class TimedTurns:
     """`turns` whose every turn is timed (`compute_s`, on CUDA up to the device's end of the
     piece) and told to `computing(True/False)` (the decode side's load book): a caller's compute,
-    without its waits for a turn."""
+    without its waits for a turn. Over `LayerTurns`, a run is told as computing from its hand-over
+    to its return, and `compute_s` grows by its share of the batched calls."""
 
     def __init__(self, turns: ComputeTurns, computing: Callable[[bool], None] | None = None,
                  device: torch.device | None = None):
@@ -134,3 +161,21 @@ class TimedTurns:
                 if self.computing:
                     self.computing(False)
                 self.compute_s += time.perf_counter() - began
+
+    @torch.inference_mode()
+    def run_layers(self, model: Model, h: torch.Tensor, start: int, stop: int, pos: int,
+                   cache: KVCache) -> LayerRun:
+        before = self.compute_s
+        run_layers = getattr(self.turns, "run_layers", None)
+        if run_layers is None:
+            out = _run_in_pieces(model, h, start, stop, pos, cache, self)
+            return LayerRun(out, self.compute_s - before)
+        if self.computing:
+            self.computing(True)
+        try:
+            run = run_layers(model, h, start, stop, pos, cache)
+        finally:
+            if self.computing:
+                self.computing(False)
+        self.compute_s += run.compute_s
+        return run

@@ -3,11 +3,13 @@
 `admit(call)` applies this worker's limits and tokenizes; `quality(call)` is the call's quality
 setting, the deployment's (`settings.quality`) where the call sets none. The worker's decode
 engine (`engine`, `rekv_core.engine`) owns the model's decoding: requests join it as streams, and
-every compute of a handoff (suffix, token-only, fallback recompute) takes its turns there, sized
-to the ITL budget (`itl_budget_ms`, by default `ITL_BUDGET_FACTOR` x the single-stream step
-measured at start, before serving). With `decode_path = per_request` there is no engine:
-`decoder(cache)` gives a request's own decode step, for the comparison bench. Everything about a handoff (the offer, the receive, what is learned from it,
-the load it counts, the local recompute that replaces a failed one) is the connector's
+every compute of a handoff (suffix, token-only, fallback recompute) goes to its layer batcher
+(`layers`, `engine.LayerBatcher`: the runs of several requests at one layer share a call), which
+takes its turns there, sized to the ITL budget (`itl_budget_ms`, by default `ITL_BUDGET_FACTOR` x
+the single-stream step measured at start, before serving). With `decode_path = per_request` there
+is no engine: `decoder(cache)` gives a request's own decode step, for the comparison bench.
+Everything about a handoff (the offer, the receive, what is learned from it, the load it counts,
+the local recompute that replaces a failed one) is the connector's
 (`rekv_core.connector.DecodeConnector`). Thread-safe: the blocking methods run on worker threads.
 """
 
@@ -19,8 +21,8 @@ from collections.abc import Callable
 import torch
 
 from rekv_core.connector import DecodeConnector, DecodeOptions, Quality
-from rekv_core.engine import (DecodeEngine, ItlBudget, default_budget_ms, engine_step,
-                              measure_costs)
+from rekv_core.engine import (DecodeEngine, ItlBudget, LayerBatcher, default_budget_ms,
+                              engine_step, measure_costs)
 from rekv_core.model import KVCache, decode_steps
 from rekv_core.model.turns import UNLIMITED
 from rekv_core.transport import create_receiver
@@ -41,12 +43,14 @@ class DecodeWorker(Worker):
         super().__init__(settings, metrics)
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.engine = self._engine(settings, metrics)
+        # every handoff's layer runs, batched across requests, in the engine's turns
+        self.layers = LayerBatcher(self.model, self.engine or UNLIMITED, settings.batch_invariant)
         self.connector = DecodeConnector.for_model(
             self.model, self.receiver,
             DecodeOptions(settings.codecs, settings.boundary_chunk_tokens,
                           settings.handoff_timeout_s, settings.encrypt_data_plane,
                           settings.link_gbps, self.fingerprint.hex),
-            settings.profile, self.transfers, turns=self.engine or UNLIMITED,
+            settings.profile, self.transfers, turns=self.layers,
             engine_state=self.engine.state if self.engine else None)
         metrics.link.set_function(lambda: self.connector.link_gbps)
         metrics.transport_pending.set_function(lambda: self.receiver.pending().total)
@@ -120,6 +124,7 @@ class DecodeWorker(Worker):
 
     def close(self) -> None:
         if self.engine is not None:
-            self.engine.close()
+            self.engine.close()  # first: a turn the batcher waits for is then granted
+        self.layers.close()
         self.connector.close()
         self.receiver.shutdown()
