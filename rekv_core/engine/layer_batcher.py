@@ -36,8 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rekv_core.engine.prefill_scheduler import DEFAULT_CATCH_UP, Forward
+from rekv_core.engine.prefill_scheduler import DEFAULT_CATCH_UP
 from rekv_core.engine.prefill_tick import Pick, Progress, plan_tick
+from rekv_core.engine.tick_calls import Forward, run_picks
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import run_layers_chunk
@@ -71,9 +72,9 @@ class _Run:
     def segment(self, pick: Pick) -> Segment:
         return Segment(self.h[pick.r0:pick.r1], self.pos + pick.r0, self.cache)
 
-    def computed(self, rows: int, out: torch.Tensor) -> None:
+    def computed(self, pick: Pick, out: torch.Tensor) -> None:
         self.parts.append(out)
-        if self.progress.advance(rows):
+        if self.progress.advance(pick.r1 - pick.r0):
             self.h = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
             self.parts = []
             if self.progress.done:
@@ -202,8 +203,8 @@ class LayerBatcher:
             run.fail(exc)
             return p.rows * layers
         run.compute_s += time.perf_counter() - began
-        p.layer += layers - 1  # `computed` counts the last one
-        run.computed(p.rows, out)
+        p.layer += layers - 1  # `computed` completes the last one
+        run.computed(Pick(p, p.layer, 0, p.rows), out)
         return p.rows * layers
 
     def _tick(self, runs: list[_Run], room: int, first: bool) -> int:
@@ -213,28 +214,9 @@ class LayerBatcher:
         rows = sum(pick.r1 - pick.r0 for pick in picks)
         if not picks or (rows > room and not first):
             return 0
-        for layer in sorted({pick.layer for pick in picks}):
-            group = [pick for pick in picks if pick.layer == layer]
-            self._call(layer, group, [by_progress[id(pick.progress)] for pick in group])
+        run_picks(self.model, picks, by_progress, self._forward, self.invariant,
+                  settle=self._settle)
         return rows
-
-    def _call(self, layer: int, picks: list[Pick], runs: list[_Run]) -> None:
-        began = time.perf_counter()
-        try:
-            outs = self._forward(self.model, layer,
-                                 [run.segment(pick) for run, pick in zip(runs, picks)],
-                                 self.invariant)
-            self._settle()
-        except Exception as exc:  # every run of the call ends with it
-            log.exception("layer %d failed for %d run(s)", layer, len(runs))
-            for run in runs:
-                run.fail(exc)
-            return
-        spent = time.perf_counter() - began
-        total = sum(pick.r1 - pick.r0 for pick in picks)
-        for run, pick, out in zip(runs, picks, outs):
-            run.compute_s += spent * (pick.r1 - pick.r0) / total
-            run.computed(pick.r1 - pick.r0, out.h)
 
     def _settle(self) -> None:
         """On CUDA, the call's kernels ended: its time is the device's, not the launches'."""

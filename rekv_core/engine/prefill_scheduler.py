@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from rekv_core.engine.prefill_tick import Pick, Progress, plan_tick
+from rekv_core.engine.tick_calls import Forward, run_picks
 from rekv_core.model.cache import KVCache
 from rekv_core.model.executor import embed, validate_token_ids
 from rekv_core.model.layer import Model
@@ -126,9 +127,6 @@ class ScheduledPrefill:
             self._events.put(item)
 
 
-Forward = Callable[[Model, int, Sequence[Segment], bool], list]
-
-
 class PrefillScheduler:
     def __init__(self, model: Model, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  invariant: bool = False, catch_up: int = DEFAULT_CATCH_UP,
@@ -209,25 +207,7 @@ class PrefillScheduler:
             by_progress = {id(job.progress): job for job in self._active}
             picks = plan_tick([job.progress for job in self._active], self.token_budget,
                               self.catch_up)
-            for layer in sorted({pick.layer for pick in picks}):
-                group = [pick for pick in picks if pick.layer == layer]
-                jobs = [by_progress[id(pick.progress)] for pick in group]
-                started = time.perf_counter()
-                try:
-                    outs = self._forward(self.model, layer,
-                                         [job.segment(pick) for job, pick in zip(jobs, group)],
-                                         self.invariant)
-                except Exception as exc:  # every prompt of the call ends with it
-                    log.exception("prefill layer %d failed for %d prompt(s)", layer, len(jobs))
-                    for job in jobs:
-                        job.fail(exc)
-                    continue
-                spent = time.perf_counter() - started
-                rows = sum(pick.r1 - pick.r0 for pick in group)
-                if self.observer is not None:
-                    self.observer(len(group), rows, spent)
-                for job, pick, out in zip(jobs, group, outs):
-                    job.compute_s += spent * (pick.r1 - pick.r0) / rows
-                    job.computed(pick, out.h)
+            run_picks(self.model, picks, by_progress, self._forward, self.invariant,
+                      self.observer)
             with self._cond:
                 self._active = [job for job in self._active if not job.ended]

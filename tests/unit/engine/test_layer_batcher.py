@@ -19,7 +19,7 @@ from rekv_core.model.executor import embed, run_layers_chunk
 from rekv_core.model.layer_batch import layer_forward_batch
 from rekv_core.model.turns import UNLIMITED, TimedTurns, Turn, run_layers_in_turns
 from rekv_core.model.weights import synthetic_weights
-from tests.support.engine_fakes import WAIT_S, empty_cache, tiny_model, wait
+from tests.support.engine_fakes import WAIT_S, empty_cache, tiny_model
 
 LAYERS = 4
 # (rows, start, stop, pos): a token-only prompt, suffixes from two cuts, a second boundary chunk
