@@ -2,7 +2,8 @@
 phase by phase, from both services' own traces.
 
     python bench/fixed_cost.py [--requests 20] [--prompt-tokens 32] [--warmup 3]
-                               [--concurrency 1] [--service-arg=--dtype=float32 ...]
+                               [--concurrency 1] [--modes planner,bf16/0,bf16/30]
+                               [--service-arg=--dtype=float32 ...]
                                [--json FILE] [--markdown FILE]
 
 A prefill and a decode service on loopback (the first on core 0, the second on core 1 where there
@@ -12,7 +13,10 @@ collector in this process (`rekv_cli/bench/otlp_collector.py`, the spans of
 --concurrency sent at once (1: one at a time; a wave starts when the last one's requests are all
 answered), each a --prompt-tokens prompt of random token ids (its own seed) with one new token and
 the planner's choice, each in a trace of its own. Under concurrency the phases show where a
-request waits for the others. From each request's spans, these instants on the critical
+request waits for the others. `--modes` sets the planner's pick beside forced actions under the
+same load: `planner` or CODEC/CUT each, --requests requests per mode, the waves (one request each
+at --concurrency 1) taking the modes in a shuffled order per round, and every figure reported per
+mode. From each request's spans, these instants on the critical
 path to its first token, in order (both processes read one clock: the spans' wall-clock time):
 
     arrived       `Decode/Generate` starts (the router's call is in)
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import re
 import secrets
 import statistics
@@ -147,8 +152,41 @@ def _pinned(core: int) -> list[str]:
     return ["taskset", "-c", str(core)] if (os.cpu_count() or 1) >= 2 else []
 
 
+def wave_modes(modes: list[str], waves_per_mode: int, seed: int = 0) -> list[str]:
+    """The mode of each wave: `waves_per_mode` rounds, each every mode once in a shuffled order."""
+    rng, order = random.Random(seed), []
+    for _ in range(waves_per_mode):
+        round_ = list(modes)
+        rng.shuffle(round_)
+        order += round_
+    return order
+
+
+def forced_action(mode: str) -> tuple[str, int] | None:
+    """`planner`: None; CODEC/CUT: that action. ValueError naming the mode otherwise."""
+    if mode == "planner":
+        return None
+    codec, _, cut = mode.partition("/")
+    if not codec or not cut.isdigit():
+        raise ValueError(f"mode {mode!r}: expected planner or CODEC/CUT, as bf16/15")
+    return codec, int(cut)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """The medians of one mode's requests: each phase, and the figures of the summary."""
+    return {"median_phases_ms": {name: statistics.median(r["phases_ms"][name] for r in rows)
+                                 for name in PHASES.values()},
+            "median": {key: statistics.median(r[key] for r in rows)
+                       for key in ("ttft_ms", "prefill_ms", "beyond_prefill_ms",
+                                   "decode_compute_ms", "compute_ms", "beyond_compute_ms",
+                                   "wire_ms", "over_compute_and_wire", "predicted_ms",
+                                   "measured_handoff_ms", "predicted_over_ttft",
+                                   "summary_ttft_ms")}}
+
+
 def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[str],
-            concurrency: int = 1) -> dict:
+            concurrency: int = 1, modes: list[str] | None = None) -> dict:
+    modes = modes or ["planner"]
     collector = OtlpCollector()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint,
            "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_BSP_SCHEDULE_DELAY": "200"}
@@ -159,23 +197,27 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
     try:
         computes = {role: compute_info(pair.metrics_url(role)) for role in ("prefill", "decode")}
         with grpc.insecure_channel(pair.decode_address) as channel:
-            def one(i: int) -> None:
+            def one(i: int, mode: str, name: str | None = None) -> None:
                 prompt = torch.randint(100, 4000, (prompt_tokens,),
                                        generator=torch.Generator().manual_seed(i)).tolist()
                 trace_id = secrets.token_hex(16)
-                result = generate(channel, f"fixed-{i}", prompt, 1, stop_at_eos=False,
-                                  metadata=[("traceparent",
-                                             f"00-{trace_id}-{secrets.token_hex(8)}-01")])
+                result = generate(channel, name or f"fixed-{i}", prompt, 1, stop_at_eos=False,
+                                  forced_action=forced_action(mode), metadata=[(
+                                      "traceparent", f"00-{trace_id}-{secrets.token_hex(8)}-01")])
                 if result.summary.fallback:
                     raise RuntimeError(f"request {i} fell back: {result.summary.fallback_reason}")
                 if i >= 0:
-                    traces[trace_id], summaries[trace_id] = i, result.summary
+                    traces[trace_id], summaries[trace_id] = (i, mode), result.summary
 
             for i in range(-warmup, 0):
-                one(i)
+                for k, mode in enumerate(modes):
+                    one(i, mode, f"fixed-warmup{-i}-{k}")
+            waves = -(-requests // concurrency)
             with ThreadPoolExecutor(concurrency) as pool:
-                for wave in range(0, requests, concurrency):
-                    list(pool.map(one, range(wave, min(requests, wave + concurrency))))
+                for wave, mode in enumerate(wave_modes(modes, waves)):
+                    first = wave * concurrency
+                    size = min(concurrency, requests - (wave // len(modes)) * concurrency)
+                    list(pool.map(lambda i: one(i, mode), range(first, first + size)))
     finally:
         codes = pair.stop()  # each flushes its spans on the way out
         collector.stop()
@@ -183,51 +225,52 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
     for span in collector.spans:
         by_trace.setdefault(span.trace_id, []).append(span)
     rows = []
-    for trace_id, index in sorted(traces.items(), key=lambda item: item[1]):
+    for trace_id, (index, mode) in sorted(traces.items(), key=lambda item: item[1][0]):
         row = breakdown(by_trace.get(trace_id, []))
-        row.update(request=index, summary_ttft_ms=summaries[trace_id].ttft_ms)
+        row.update(request=index, mode=mode, summary_ttft_ms=summaries[trace_id].ttft_ms)
         rows.append(row)
-    medians = {name: statistics.median(r["phases_ms"][name] for r in rows)
-               for name in PHASES.values()}
+    by_mode = {mode: summarize([r for r in rows if r["mode"] == mode]) for mode in modes}
     return {"requests": requests, "warmup": warmup, "prompt_tokens": prompt_tokens,
-            "concurrency": concurrency,
-            "service_args": settings, "compute": computes, "exit_codes": codes, "rows": rows,
-            "median_phases_ms": medians,
-            "median": {key: statistics.median(r[key] for r in rows)
-                       for key in ("ttft_ms", "prefill_ms", "beyond_prefill_ms",
-                                   "decode_compute_ms", "compute_ms", "beyond_compute_ms",
-                                   "wire_ms", "over_compute_and_wire", "predicted_ms",
-                                   "measured_handoff_ms", "predicted_over_ttft",
-                                   "summary_ttft_ms")}}
+            "concurrency": concurrency, "modes": modes, "service_args": settings,
+            "compute": computes, "exit_codes": codes, "rows": rows, **by_mode[modes[0]],
+            "by_mode": by_mode}
 
 
 def report(result: dict) -> str:
-    m = result["machine"]
+    m, modes = result["machine"], result.get("modes", ["planner"])
+    by_mode = result.get("by_mode", {modes[0]: result})
+    actions = {mode: ", ".join(sorted({r["action"] for r in result["rows"]
+                                       if r.get("mode", "planner") == mode})) for mode in modes}
     lines = [f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, commit {m['commit']} "
              f"(tree clean: {m['tree_clean']}), started {m['started']}",
              f"command: `{result['command']}`",
              f"services compute in {result['compute']['decode']['dtype']} "
              f"({result['compute']['decode']['reason']}), one core and one torch thread each", "",
-             f"{result['requests']} requests "
+             f"{result['requests']} requests per mode "
              + (f"in waves of {result['concurrency']} at once"
                 if result.get("concurrency", 1) > 1 else "one at a time")
              + f" after {result['warmup']} to warm up, "
-             f"{result['prompt_tokens']}-token prompts, one new token, the planner's choice "
-             f"({', '.join(sorted({r['action'] for r in result['rows']}))}):", "",
-             "| phase | median (ms) |", "|:--|--:|"]
-    lines += [f"| {name} | {ms:.2f} |" for name, ms in result["median_phases_ms"].items()]
-    med = result["median"]
-    lines += ["", f"TTFT across the trace {med['ttft_ms']:.1f} ms (the decode worker's own "
-              f"figure {med['summary_ttft_ms']:.1f} ms); the prompt's compute "
-              f"{med['compute_ms']:.1f} ms (the prefill worker's {med['prefill_ms']:.1f}, the "
-              f"decode worker's recompute {med['decode_compute_ms']:.1f}); beyond it "
-              f"{med['beyond_compute_ms']:.1f} ms; the wire {med['wire_ms']:.2f} ms at the "
-              f"plan's link rate. TTFT over compute plus wire: "
-              f"{med['over_compute_and_wire']:.2f} (median of the requests'; the goal: at "
-              f"most 1.5).",
-              f"The planner predicted {med['predicted_ms']:.1f} ms for the handoff, which took "
-              f"{med['measured_handoff_ms']:.1f} ms; predicted over TTFT "
-              f"{med['predicted_over_ttft']:.2f} (medians)."]
+             f"{result['prompt_tokens']}-token prompts, one new token; the modes in a shuffled "
+             "order per round (the planner's actions: "
+             + "; ".join(f"{mode}: {actions[mode]}" for mode in modes) + "):", "",
+             "| phase | " + " | ".join(f"{mode} (ms)" for mode in modes) + " |",
+             "|:--|" + "--:|" * len(modes)]
+    for name in PHASES.values():
+        lines.append(f"| {name} | " + " | ".join(f"{by_mode[mode]['median_phases_ms'][name]:.2f}"
+                                                for mode in modes) + " |")
+    for mode in modes:
+        med = by_mode[mode]["median"]
+        lines += ["", f"{mode}: TTFT across the trace {med['ttft_ms']:.1f} ms (the decode "
+                  f"worker's own figure {med['summary_ttft_ms']:.1f} ms); the prompt's compute "
+                  f"{med['compute_ms']:.1f} ms (the prefill worker's {med['prefill_ms']:.1f}, the "
+                  f"decode worker's recompute {med['decode_compute_ms']:.1f}); beyond it "
+                  f"{med['beyond_compute_ms']:.1f} ms; the wire {med['wire_ms']:.2f} ms at the "
+                  f"plan's link rate. TTFT over compute plus wire: "
+                  f"{med['over_compute_and_wire']:.2f} (median of the requests'; the goal: at "
+                  f"most 1.5).",
+                  f"The planner predicted {med['predicted_ms']:.1f} ms for the handoff, which "
+                  f"took {med['measured_handoff_ms']:.1f} ms; predicted over TTFT "
+                  f"{med['predicted_over_ttft']:.2f} (medians)."]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--modes", default="planner",
+                        help="comma-separated: planner and forced actions, as planner,bf16/0")
     parser.add_argument("--service-arg", action="append", default=[],
                         help="a setting for both services, as --service-arg=--dtype=float32")
     parser.add_argument("--json", help="write every figure here")
@@ -244,10 +289,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 1 or args.warmup < 0 or args.prompt_tokens < 1 or args.concurrency < 1:
         parser.error("--requests, --prompt-tokens and --concurrency must be >= 1, --warmup >= 0")
+    modes = args.modes.split(",")
+    try:
+        for mode in modes:
+            forced_action(mode)
+    except ValueError as exc:
+        parser.error(f"--modes: {exc}")
+    if len(set(modes)) != len(modes):
+        parser.error(f"--modes: each mode once, got {args.modes}")
     started = provenance(measures=MEASURES)
     service_args = [part for arg in args.service_arg for part in arg.split("=", 1)]
     measured = measure(args.requests, args.warmup, args.prompt_tokens, service_args,
-                       args.concurrency)
+                       args.concurrency, modes)
     dtype = getattr(torch, measured["compute"]["decode"]["dtype"])
     result = {"machine": {**machine_info(torch.device("cpu"), dtype, 1), **started},
               "command": " ".join(["python", *sys.argv]), **measured}

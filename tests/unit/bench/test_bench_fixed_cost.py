@@ -70,3 +70,31 @@ def test_a_trace_missing_a_span_or_its_messages_is_named():
     only_plan = [s for s in _trace() if s.name not in ("boundary", "prefix_layers")]
     with pytest.raises(ValueError, match="send: 1 message events under it"):
         fixed_cost.breakdown(only_plan)
+
+
+def test_every_mode_gets_one_wave_a_round_in_an_order_shuffled_per_round():
+    order = fixed_cost.wave_modes(["planner", "bf16/0", "bf16/30"], 20, seed=3)
+    assert len(order) == 60
+    rounds = [order[i:i + 3] for i in range(0, 60, 3)]
+    assert all(sorted(r) == ["bf16/0", "bf16/30", "planner"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # not one fixed order
+    assert order == fixed_cost.wave_modes(["planner", "bf16/0", "bf16/30"], 20, seed=3)
+
+
+def test_a_mode_is_the_planner_or_a_forced_action_and_anything_else_is_named():
+    assert fixed_cost.forced_action("planner") is None
+    assert fixed_cost.forced_action("splitzip/21") == ("splitzip", 21)
+    for bad in ("bf16", "bf16/x", "/3", "planer"):
+        with pytest.raises(ValueError, match=f"mode {bad!r}"):
+            fixed_cost.forced_action(bad)
+
+
+def test_a_modes_summary_is_the_median_of_its_own_requests():
+    rows = [fixed_cost.breakdown(_trace()) for _ in range(3)]
+    for row, ttft in zip(rows, (10.0, 30.0, 20.0)):
+        row["ttft_ms"], row["summary_ttft_ms"] = ttft, ttft
+    rows[0]["phases_ms"]["admission"] = 100.0
+    summary = fixed_cost.summarize(rows)
+    assert summary["median"]["ttft_ms"] == 20.0
+    assert summary["median_phases_ms"]["admission"] == 1.0
+    assert summary["median_phases_ms"]["first token"] == 12.0
