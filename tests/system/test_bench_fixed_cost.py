@@ -39,5 +39,5 @@ def test_one_request_is_broken_into_phases_that_add_up(tmp_path):
         assert row["predicted_over_ttft"] == row["predicted_ms"] / row["ttft_ms"]
     assert "2 requests per mode in waves of 2 at once" in done.stdout
     assert "| phase | planner (ms) | bf16/30 (ms) |" in done.stdout
-    assert "The planner predicted" in done.stdout
+    assert "The planner predicted" in done.stdout and "predicted over the handoff" in done.stdout
     assert "prefill: plan" in done.stdout and "TTFT over compute plus wire" in done.stdout

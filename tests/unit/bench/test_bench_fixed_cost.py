@@ -94,7 +94,10 @@ def test_a_modes_summary_is_the_median_of_its_own_requests():
     for row, ttft in zip(rows, (10.0, 30.0, 20.0)):
         row["ttft_ms"], row["summary_ttft_ms"] = ttft, ttft
     rows[0]["phases_ms"]["admission"] = 100.0
+    rows[1]["predicted_over_handoff"] = None  # no handoff measured: left out of the median
+    rows[2]["predicted_over_handoff"] = 2.0
     summary = fixed_cost.summarize(rows)
     assert summary["median"]["ttft_ms"] == 20.0
+    assert summary["median"]["predicted_over_handoff"] == (0.75 + 2.0) / 2
     assert summary["median_phases_ms"]["admission"] == 1.0
     assert summary["median_phases_ms"]["first token"] == 12.0
