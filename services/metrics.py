@@ -101,6 +101,7 @@ class ServiceMetrics:
         self.canary = CanaryMetrics(r) if role == "decode" else None
         self.engine = EngineMetrics(r) if role == "decode" else None
         self.scheduler = PrefillSchedulerMetrics(r) if role == "prefill" else None
+        self.layers = LayerBatcherMetrics(r) if role == "decode" else None
         self.link = Gauge("rekv_link_bandwidth_estimate_gbps",
                           "The link rate estimate, Gb/s: the one the decode worker measures and "
                           "offers (decode), the one the planner last used (prefill)", registry=r)
@@ -266,3 +267,23 @@ class PrefillSchedulerMetrics:
     def called(self, prompts: int, rows: int, seconds: float) -> None:
         self.batch_prompts.observe(prompts)
         self.batch_rows.observe(rows)
+
+
+class LayerBatcherMetrics:
+    """The decode worker's layer batcher (rekv_core.engine.LayerBatcher): the handoffs' layer runs
+    in it, and the runs sharing each call."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.runs = Gauge("rekv_decode_layer_runs", "Layer runs of handoffs (suffix, token-only, "
+                          "recompute) in the decode worker's layer batcher, waiting or computing",
+                          registry=r)
+        self.batch_runs = Histogram("rekv_decode_layer_batch_runs", "Layer runs sharing each "
+                                    "call of the decode worker's layer batcher",
+                                    buckets=BATCH_BUCKETS, registry=r)
+
+    def watch(self, runs: Callable[[], int]) -> None:
+        self.runs.set_function(runs)
+
+    def called(self, runs: int, rows: int, seconds: float) -> None:
+        self.batch_runs.observe(runs)

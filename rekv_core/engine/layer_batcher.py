@@ -23,6 +23,8 @@ Each run's K and V land in its own cache and its rows leave bit-identical to one
 agree to the rounding of a GEMM over more rows (`model.layer_batch`). A call that raises ends every
 run of it with the error, raised from `run_layers`; `close()` ends the runs still waiting with
 `BatcherClosed`. `turn(context)` passes through to `turns` (a speculative draft's turns).
+`observer(runs, rows, seconds)`, when set, sees each call (a lone run's several layers are one
+call); `pending` counts the runs handed over and not yet out (the service's metrics).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -87,11 +90,13 @@ class _Run:
 
 class LayerBatcher:
     def __init__(self, model: Model, turns: ComputeTurns = UNLIMITED, invariant: bool = False,
-                 catch_up: int = DEFAULT_CATCH_UP, forward: Forward = layer_forward_batch):
+                 catch_up: int = DEFAULT_CATCH_UP, forward: Forward = layer_forward_batch,
+                 observer: Callable[[int, int, float], None] | None = None):
         if catch_up < 0:
             raise ValueError(f"catch_up: must be >= 0 layers, got {catch_up}")
         self.model, self.turns, self.invariant, self.catch_up = model, turns, invariant, catch_up
         self._forward = forward
+        self.observer = observer  # (runs, rows, seconds) of each call (the service's metrics)
         self._seq = itertools.count()
         self._runs: list[_Run] = []
         self._cond = threading.Condition()
@@ -202,7 +207,10 @@ class LayerBatcher:
             log.exception("layers [%d, %d) of one run failed", p.layer, p.layer + layers)
             run.fail(exc)
             return p.rows * layers
-        run.compute_s += time.perf_counter() - began
+        took = time.perf_counter() - began
+        run.compute_s += took
+        if self.observer is not None:
+            self.observer(1, p.rows, took)
         p.layer += layers - 1  # `computed` completes the last one
         run.computed(Pick(p, p.layer, 0, p.rows), out)
         return p.rows * layers
@@ -215,7 +223,7 @@ class LayerBatcher:
         if not picks or (rows > room and not first):
             return 0
         run_picks(self.model, picks, by_progress, self._forward, self.invariant,
-                  settle=self._settle)
+                  self.observer, self._settle)
         return rows
 
     def _settle(self) -> None:

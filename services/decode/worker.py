@@ -44,7 +44,9 @@ class DecodeWorker(Worker):
         self.receiver = create_receiver(settings.transport, self.transport_options())
         self.engine = self._engine(settings, metrics)
         # every handoff's layer runs, batched across requests, in the engine's turns
-        self.layers = LayerBatcher(self.model, self.engine or UNLIMITED, settings.batch_invariant)
+        self.layers = LayerBatcher(self.model, self.engine or UNLIMITED, settings.batch_invariant,
+                                   observer=metrics.layers.called)
+        metrics.layers.watch(lambda: self.layers.pending)
         self.connector = DecodeConnector.for_model(
             self.model, self.receiver,
             DecodeOptions(settings.codecs, settings.boundary_chunk_tokens,

@@ -128,14 +128,18 @@ def test_the_shared_mode_batches_the_runs_and_agrees_with_their_lone_runs_to_rou
     """The four runs reach each other's layers (the first catching up) and share calls: each
     run-layer in one call, fewer calls than run-layers, three runs in one call; each run agrees
     with its lone run to float64 rounding."""
-    model, gate, calls = _model(torch.float64), _Gate(), []
-    batcher = LayerBatcher(model, gate, forward=_counting(calls))
+    model, gate, calls, observed = _model(torch.float64), _Gate(), [], []
+    batcher = LayerBatcher(model, gate, forward=_counting(calls),
+                           observer=lambda runs, rows, seconds: observed.append((runs, rows)))
     try:
         results, references = _hand_over_together(batcher, gate, model, RUNS)
     finally:
         batcher.close()
     for got, want in zip(results, references):
         _same_run(got, want, _close)
+    assert [runs for runs, _ in observed] == calls  # the observer sees every call
+    assert sum(rows for _, rows in observed) == sum(n * (stop - start)
+                                                    for n, start, stop, _ in RUNS)
     assert sum(calls) == sum(stop - start for _, start, stop, _ in RUNS)
     assert len(calls) < sum(calls)
     assert max(calls) == 3
@@ -157,8 +161,9 @@ def test_every_turn_keeps_its_allowance_and_the_work_is_all_done():
 
 def test_a_lone_run_goes_through_as_many_layers_as_the_allowance_holds():
     """32 rows alone in turns of 70 token-layers: two layers a turn (64), in one call each."""
-    model, gate, calls = _model(), _Gate(allowance=70), []
-    batcher = LayerBatcher(model, gate, forward=_counting(calls))
+    model, gate, calls, observed = _model(), _Gate(allowance=70), [], []
+    batcher = LayerBatcher(model, gate, forward=_counting(calls),
+                           observer=lambda runs, rows, seconds: observed.append((runs, rows)))
     try:
         results, references = _hand_over_together(batcher, gate, model, [(32, 0, LAYERS, 0)])
     finally:
@@ -166,6 +171,7 @@ def test_a_lone_run_goes_through_as_many_layers_as_the_allowance_holds():
     _same_run(results[0], references[0], _equal)
     assert [spent for _, spent in gate.turns] == [64, 64]
     assert calls == []  # whole layers through `run_layers_chunk`, not the batched call
+    assert observed == [(1, 32), (1, 32)]  # each of those calls seen once
 
 
 def test_a_turn_smaller_than_one_block_still_runs_the_smallest_piece():
