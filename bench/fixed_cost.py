@@ -41,9 +41,9 @@ the goal's ratio: TTFT over compute plus wire (the issue asks for at most 1.5); 
 prediction against what happened: its predicted handoff time (`plan`'s `predicted_ms`) over the
 handoff the decode worker measured (`handoff`'s `measured_ms`) and over the TTFT (under load
 the issue asks for the median within 1.5x either way); the TTFT also holds what passed before the
-plan (the decode worker's admission, above all), which the plan does not predict. Reported: each phase's median over the
-requests, per request too in the JSON. A gap can come out a little negative where two processes'
-readings of one instant differ by their rounding.
+plan (the decode worker's admission, above all), which the plan does not predict. Reported: each
+phase's median over the requests, per request too in the JSON. A gap can come out a little
+negative where two processes' readings of one instant differ by their rounding.
 """
 
 from __future__ import annotations
@@ -238,10 +238,9 @@ def measure(requests: int, warmup: int, prompt_tokens: int, service_args: list[s
 
 
 def report(result: dict) -> str:
-    m, modes = result["machine"], result.get("modes", ["planner"])
-    by_mode = result.get("by_mode", {modes[0]: result})
-    actions = {mode: ", ".join(sorted({r["action"] for r in result["rows"]
-                                       if r.get("mode", "planner") == mode})) for mode in modes}
+    m, modes, by_mode = result["machine"], result["modes"], result["by_mode"]
+    actions = {mode: ", ".join(sorted({r["action"] for r in result["rows"] if r["mode"] == mode}))
+               for mode in modes}
     lines = [f"{m['cpu']}, {m['cores']} cores, torch {m['torch']}, commit {m['commit']} "
              f"(tree clean: {m['tree_clean']}), started {m['started']}",
              f"command: `{result['command']}`",
@@ -249,7 +248,7 @@ def report(result: dict) -> str:
              f"({result['compute']['decode']['reason']}), one core and one torch thread each", "",
              f"{result['requests']} requests per mode "
              + (f"in waves of {result['concurrency']} at once"
-                if result.get("concurrency", 1) > 1 else "one at a time")
+                if result["concurrency"] > 1 else "one at a time")
              + f" after {result['warmup']} to warm up, "
              f"{result['prompt_tokens']}-token prompts, one new token; the modes in a shuffled "
              "order per round (the planner's actions: "

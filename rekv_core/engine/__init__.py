@@ -7,6 +7,6 @@ from rekv_core.engine.layer_batcher import BatcherClosed, LayerBatcher
 from rekv_core.engine.loop import (DecodeEngine, EngineClosed, EngineObserver, EngineState,
                                    Stream, engine_step, prepare_engine_thread)
 
-__all__ = ["BatcherClosed", "DecodeEngine", "EngineClosed", "EngineObserver", "EngineState", "ITL_BUDGET_FACTOR",
-           "ItlBudget", "LayerBatcher", "Stream", "default_budget_ms", "engine_step", "measure_costs",
-           "prepare_engine_thread"]
+__all__ = ["BatcherClosed", "DecodeEngine", "EngineClosed", "EngineObserver", "EngineState",
+           "ITL_BUDGET_FACTOR", "ItlBudget", "LayerBatcher", "Stream", "default_budget_ms",
+           "engine_step", "measure_costs", "prepare_engine_thread"]

@@ -44,7 +44,7 @@ from rekv_core.engine.prefill_tick import Pick, Progress, plan_tick
 from rekv_core.engine.tick_calls import Forward, run_picks
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.cache import KVCache
-from rekv_core.model.executor import run_layers_chunk
+from rekv_core.model.executor import check_layer_run, run_layers_chunk
 from rekv_core.model.layer import Model
 from rekv_core.model.layer_batch import Segment, layer_forward_batch
 from rekv_core.model.turns import UNLIMITED, ComputeTurns, LayerRun, Turn
@@ -114,14 +114,7 @@ class LayerBatcher:
         if model is not self.model:
             raise ValueError("model: the batcher runs its own model's layers only")
         n = h.shape[0]
-        if not 0 <= start <= stop <= model.shape.num_layers:
-            raise ValueError(f"layers [{start}, {stop}) are outside "
-                             f"[0, {model.shape.num_layers}]")
-        if pos % EXEC_BLOCK:
-            raise ValueError(f"pos: must be a multiple of {EXEC_BLOCK}, got {pos}")
-        if pos + n > cache.capacity:
-            raise ValueError(f"cache: rows [{pos}, {pos + n}) exceed its capacity of "
-                             f"{cache.capacity}")
+        check_layer_run(model, n, start, stop, pos, cache)
         if n == 0 or start == stop:
             return LayerRun(h, 0.0)
         with self._cond:

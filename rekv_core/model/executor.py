@@ -155,6 +155,19 @@ def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
 
 
 @torch.inference_mode()
+def check_layer_run(model: Model, rows: int, start: int, stop: int, pos: int,
+                    cache: KVCache) -> None:
+    """ValueError naming what is wrong with running `rows` rows at `pos` through layers
+    [start, stop) into `cache` (`run_layers_chunk`'s arguments)."""
+    if pos % EXEC_BLOCK:
+        raise ValueError(f"pos: must be a multiple of {EXEC_BLOCK}, got {pos}")
+    if pos + rows > cache.capacity:
+        raise ValueError(f"cache: rows [{pos}, {pos + rows}) exceed its capacity of "
+                         f"{cache.capacity}")
+    if not 0 <= start <= stop <= model.shape.num_layers:
+        raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
+
+
 def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache: KVCache,
                      stop: int | None = None) -> torch.Tensor:
     """Run layers [start, stop) (stop: L by default) for the rows [pos, pos + n) in `h` `[n, d]`,
@@ -162,20 +175,15 @@ def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache:
     and returns the residual states leaving layer stop − 1 `[n, d]`. `pos` must be a multiple of
     `EXEC_BLOCK` (`chunk_bounds`). From `embed`'s rows with start 0 and stop c, a prefill run in
     token chunks up to the cut: its h_c rows are the unchunked prefill's."""
-    if pos % EXEC_BLOCK:
-        raise ValueError(f"pos: must be a multiple of {EXEC_BLOCK}, got {pos}")
     n = h.shape[0]
-    if pos + n > cache.capacity:
-        raise ValueError(f"cache: rows [{pos}, {pos + n}) exceed its capacity of {cache.capacity}")
+    stop = model.shape.num_layers if stop is None else stop
+    check_layer_run(model, n, start, stop, pos, cache)
     cos, sin = model.rope(torch.arange(pos, pos + n, device=h.device))
 
     def store(index: int, k: torch.Tensor, v: torch.Tensor):
         cache.write(index, pos, k, v)
         return cache.layer(index, pos + n)
 
-    stop = model.shape.num_layers if stop is None else stop
-    if not 0 <= start <= stop <= model.shape.num_layers:
-        raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
     for step in range(start, stop):
         h, _, _ = layer_forward(model, step, h, cos, sin, store, causal_from=pos)
     return h

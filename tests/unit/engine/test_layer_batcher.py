@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -71,9 +72,18 @@ def _counting(calls: list[int]):
     return forward
 
 
+def _wait_pending(batcher: LayerBatcher, runs: int) -> None:
+    """Until `runs` runs are handed over (a hang fails after `WAIT_S`)."""
+    deadline = time.monotonic() + WAIT_S
+    while batcher.pending < runs:
+        assert time.monotonic() < deadline, f"{batcher.pending} of {runs} runs handed over"
+        threading.Event().wait(0.001)
+
+
 def _hand_over_together(batcher: LayerBatcher, gate: _Gate, model: Model, runs):
-    """Hand every run over on its own thread while the gate is shut, then open it; each run's
-    (h out, cache) and the reference's (its lone run on a copy of the same cache)."""
+    """Hand every run over on its own thread while the gate is shut, then open it, and close the
+    batcher; each run's (h out, cache) and the reference's (its lone run on a copy of the same
+    cache)."""
     results: list = [None] * len(runs)
     threads, references = [], []
     for i, (rows, start, stop, pos) in enumerate(runs):
@@ -85,12 +95,15 @@ def _hand_over_together(batcher: LayerBatcher, gate: _Gate, model: Model, runs):
             results[i] = (batcher.run_layers(model, h, start, stop, pos, cache).h, cache)
         threads.append(threading.Thread(target=go, daemon=True))
         threads[-1].start()
-    while batcher.pending < len(runs):
-        threading.Event().wait(0.001)
-    gate.open.set()
-    for thread in threads:
-        thread.join(WAIT_S)
-        assert not thread.is_alive(), "a run never came back"
+    try:
+        _wait_pending(batcher, len(runs))
+        gate.open.set()
+        for thread in threads:
+            thread.join(WAIT_S)
+            assert not thread.is_alive(), "a run never came back"
+    finally:
+        gate.open.set()
+        batcher.close()
     return results, references
 
 
@@ -115,10 +128,7 @@ def _close(got, want, what):
 def test_invariant_runs_handed_over_together_are_each_their_lone_run(allowance):
     model, gate, calls = _model(), _Gate(allowance), []
     batcher = LayerBatcher(model, gate, invariant=True, forward=_counting(calls))
-    try:
-        results, references = _hand_over_together(batcher, gate, model, RUNS)
-    finally:
-        batcher.close()
+    results, references = _hand_over_together(batcher, gate, model, RUNS)
     for got, want in zip(results, references):
         _same_run(got, want, _equal)
     assert max(calls) > 1  # runs at one layer went into one call
@@ -131,10 +141,7 @@ def test_the_shared_mode_batches_the_runs_and_agrees_with_their_lone_runs_to_rou
     model, gate, calls, observed = _model(torch.float64), _Gate(), [], []
     batcher = LayerBatcher(model, gate, forward=_counting(calls),
                            observer=lambda runs, rows, seconds: observed.append((runs, rows)))
-    try:
-        results, references = _hand_over_together(batcher, gate, model, RUNS)
-    finally:
-        batcher.close()
+    results, references = _hand_over_together(batcher, gate, model, RUNS)
     for got, want in zip(results, references):
         _same_run(got, want, _close)
     assert [runs for runs, _ in observed] == calls  # the observer sees every call
@@ -150,10 +157,7 @@ def test_every_turn_keeps_its_allowance_and_the_work_is_all_done():
     whole ticks that fit (three rows of 32: 96), and the turns add up to the 384 token-layers."""
     model, gate = _model(), _Gate(allowance=100)
     batcher = LayerBatcher(model, gate)
-    try:
-        _hand_over_together(batcher, gate, model, [(32, 0, LAYERS, 0)] * 3)
-    finally:
-        batcher.close()
+    _hand_over_together(batcher, gate, model, [(32, 0, LAYERS, 0)] * 3)
     assert all(spent <= allowance for allowance, spent in gate.turns)
     assert sum(spent for _, spent in gate.turns) == 3 * 32 * LAYERS
     assert [spent for _, spent in gate.turns] == [96] * LAYERS
@@ -164,10 +168,7 @@ def test_a_lone_run_goes_through_as_many_layers_as_the_allowance_holds():
     model, gate, calls, observed = _model(), _Gate(allowance=70), [], []
     batcher = LayerBatcher(model, gate, forward=_counting(calls),
                            observer=lambda runs, rows, seconds: observed.append((runs, rows)))
-    try:
-        results, references = _hand_over_together(batcher, gate, model, [(32, 0, LAYERS, 0)])
-    finally:
-        batcher.close()
+    results, references = _hand_over_together(batcher, gate, model, [(32, 0, LAYERS, 0)])
     _same_run(results[0], references[0], _equal)
     assert [spent for _, spent in gate.turns] == [64, 64]
     assert calls == []  # whole layers through `run_layers_chunk`, not the batched call
@@ -179,10 +180,7 @@ def test_a_turn_smaller_than_one_block_still_runs_the_smallest_piece():
     rows (or the rest) through one layer, and the run ends, its rows the lone run's."""
     model, gate = _model(), _Gate(allowance=10)
     batcher = LayerBatcher(model, gate)
-    try:
-        results, references = _hand_over_together(batcher, gate, model, [(300, 2, LAYERS, 0)])
-    finally:
-        batcher.close()
+    results, references = _hand_over_together(batcher, gate, model, [(300, 2, LAYERS, 0)])
     _same_run(results[0], references[0], _equal)
     assert [spent for _, spent in gate.turns] == [EXEC_BLOCK, 300 - EXEC_BLOCK] * 2
 
@@ -209,8 +207,7 @@ def test_a_failing_call_ends_its_runs_with_the_error_and_the_batcher_serves_on()
         threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
             t.start()
-        while batcher.pending < 2:
-            threading.Event().wait(0.001)
+        _wait_pending(batcher, 2)
         gate.open.set()
         for t in threads:
             t.join(WAIT_S)
@@ -237,8 +234,7 @@ def test_a_run_waiting_when_the_batcher_closes_ends_with_batcher_closed():
 
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
-    while batcher.pending < 1:
-        threading.Event().wait(0.001)
+    _wait_pending(batcher, 1)
     closing = threading.Thread(target=batcher.close, daemon=True)
     closing.start()
     while not batcher._closed:
