@@ -2,8 +2,9 @@
 the two services as real processes (`ServicePair`, the embedded model smollm2-135m in BF16).
 
     python bench/reliability_load.py [--requests 1000] [--concurrency 8] [--burst 32] [--seed 0]
-        [--max-new-tokens 4,8] [--prompt-tokens 16,256] [--prompts 100] [--deadline-s 120]
-        [--torch-threads 1] [--env MALLOC_ARENA_MAX=2] [--json FILE] [--markdown FILE]
+        [--batching invariant|shared] [--max-new-tokens 4,8] [--prompt-tokens 16,256]
+        [--prompts 100] [--deadline-s 120] [--torch-threads 1] [--env MALLOC_ARENA_MAX=2]
+        [--json FILE] [--markdown FILE]
 
 One pair of services serves every phase:
 1. burst: `--burst` streams opened at once (client threads released together by a barrier), each a
@@ -23,7 +24,10 @@ One pair of services serves every phase:
    whose action was lossless (BF16 at any cut, token-only, a fallback) and whose index is a
    multiple of `--check-every`, against `greedy_generate` on the same weights, dtype and torch
    thread count; one reference per prompt, its longest continuation (on the CPU a decode step
-   attends only to the filled positions, so a shorter run is a prefix of a longer one).
+   attends only to the filled positions, so a shorter run is a prefix of a longer one). The
+   services run batch-invariant (`--batching invariant`, the default), where that agreement is
+   their promise under any load, and a mismatch fails the run; `--batching shared` measures their
+   default batching, whose mismatches (near-ties) are reported and do not fail it.
 
 A request ends "OK", with a gRPC status name (failed, counted by status), or "LOST": no end within
 its deadline plus `LOST_GRACE_S`, or a stream that ended without a status but without its summary
@@ -165,8 +169,15 @@ def check_tokens(outcomes: list[Outcome], pool: list[list[int]], threads: int,
 
 # --------------------------------------------------------------------------------------- the run
 
+# The services' batching (`--batching`). Only batch-invariant services promise the single-process
+# reference's tokens under load; with shared GEMMs a greedy answer can leave it at a near-tie
+# (README, "What a handoff may change in an answer"), as 37 of 826 lossless answers did at 3a3f5ee
+# on a CPU with native BF16 GEMMs, each at a decoded token after the first.
+BATCHING = ("invariant", "shared")
+
 def service_args(args: argparse.Namespace) -> list[str]:
-    return ["--dtype", "bfloat16", "--torch-threads", str(args.torch_threads),
+    return ["--dtype", "bfloat16", "--batch-invariant", str(args.batching == "invariant").lower(),
+            "--torch-threads", str(args.torch_threads),
             "--max-prompt-tokens", str(args.prompt_tokens[1]),
             "--max-new-tokens", str(args.max_new_tokens[1]),
             "--max-concurrent", str(max(args.burst, args.concurrency)),
@@ -281,6 +292,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=100, help="distinct prompts in the pool")
     parser.add_argument("--wikitext", default=str(WIKITEXT), help="the prompts' text")
     parser.add_argument("--deadline-s", type=float, default=120.0, help="gRPC deadline per call")
+    parser.add_argument("--batching", choices=BATCHING, default="invariant",
+                        help="the services' batching: invariant (`--batch-invariant true`, each "
+                        "request its lone kernels: every lossless answer must be the reference's) "
+                        "or shared (their default: mismatches are reported, not failures)")
     parser.add_argument("--torch-threads", type=int, default=1, help="per service")
     parser.add_argument("--check-every", type=int, default=1,
                         help="check lossless requests whose index is a multiple of this")
@@ -310,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(report + "\n")
     bad = (result["sustained"]["lost"] + result["burst"].get("lost", 0) +
-           result["check"]["mismatches"])
+           (result["check"]["mismatches"] if args.batching == "invariant" else 0))
     return 1 if bad or any(result["exit_codes"].values()) else 0
 
 

@@ -60,6 +60,9 @@ def test_the_burst_held_every_stream_open_at_once(result):
 
 
 def test_lossless_requests_match_the_reference(result):
+    # batch-invariant services: the reference's tokens are their promise under any load, on any CPU
+    service_args = result["meta"]["service_args"]
+    assert service_args[service_args.index("--batch-invariant") + 1] == "true"
     check = result["check"]
     lossless = [r for r in result["requests"] if r["status"] == "OK" and r["lossless"]]
     assert check["checked"] == len(lossless) > 0  # --check-every 1: every one of them
@@ -186,3 +189,11 @@ def test_ranges_parse(bench, text, want):
 def test_bad_arguments_are_refused(bench, argv):
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def test_only_shared_batching_runs_the_services_default_batching(bench):
+    shared, invariant = bench.parse_args(["--batching", "shared"]), bench.parse_args([])
+    for args, value in ((shared, "false"), (invariant, "true")):
+        service_args = bench.service_args(args)
+        assert service_args[service_args.index("--batch-invariant") + 1] == value
+    assert invariant.batching == "invariant"
