@@ -171,8 +171,8 @@ def check_tokens(outcomes: list[Outcome], pool: list[list[int]], threads: int,
 
 # The services' batching (`--batching`). Only batch-invariant services promise the single-process
 # reference's tokens under load; with shared GEMMs a greedy answer can leave it at a near-tie
-# (README, "What a handoff may change in an answer"), as 37 of 826 lossless answers did at 3a3f5ee
-# on a CPU with native BF16 GEMMs, each at a decoded token after the first.
+# (README, "What a handoff may change in an answer"), as 44 of 826 lossless answers did at f6578a6
+# on a CPU with native BF16 GEMMs (bench/results/reliability-load-shared.json).
 BATCHING = ("invariant", "shared")
 
 def service_args(args: argparse.Namespace) -> list[str]:

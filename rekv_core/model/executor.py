@@ -154,7 +154,6 @@ def run_layers(model: Model, h_c: torch.Tensor, start: int) -> SuffixOutput:
     return SuffixOutput(start=start, keys=keys, values=values, logits=final_logits(model, h[-1]))
 
 
-@torch.inference_mode()
 def check_layer_run(model: Model, rows: int, start: int, stop: int, pos: int,
                     cache: KVCache) -> None:
     """ValueError naming what is wrong with running `rows` rows at `pos` through layers
@@ -168,6 +167,7 @@ def check_layer_run(model: Model, rows: int, start: int, stop: int, pos: int,
         raise ValueError(f"layers [{start}, {stop}) are outside [0, {model.shape.num_layers}]")
 
 
+@torch.inference_mode()
 def run_layers_chunk(model: Model, h: torch.Tensor, start: int, pos: int, cache: KVCache,
                      stop: int | None = None) -> torch.Tensor:
     """Run layers [start, stop) (stop: L by default) for the rows [pos, pos + n) in `h` `[n, d]`,
