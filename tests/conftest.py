@@ -33,8 +33,14 @@ import pytest  # noqa: E402
 from rekv_core.model import Model, embedded_gguf_path, load_weights  # noqa: E402
 from rekv_core.model.tokenizer import GGUFTokenizer  # noqa: E402
 
-# mutmut sets it in each of its processes (`make mutate`)
-UNDER_MUTMUT = bool(os.environ.get("MUTANT_UNDER_TEST"))
+# mutmut puts it in the environment of each of its processes (`make mutate`); in the fork server
+# that collects the tests before forking a process per mutant it is still empty, so its presence,
+# not its value, tells (with mutmut 3.8's fork server, a value test found no mutmut at all)
+def under_mutmut(environ) -> bool:
+    return "MUTANT_UNDER_TEST" in environ
+
+
+UNDER_MUTMUT = under_mutmut(os.environ)
 # two threads at most, and the cores shared out among pytest-xdist's workers (`make test` runs two)
 # or mutmut's (a mutant to each core: one thread each)
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
