@@ -96,12 +96,13 @@ def test_a_flipped_bit_in_any_buffer_is_rejected(buffer, where):
         decrypt(key, encrypted)
 
 
-@pytest.mark.parametrize("cut", [1, TAG_BYTES, TAG_BYTES + 1])
+@pytest.mark.parametrize("cut", [1, TAG_BYTES, TAG_BYTES + 1, 65])  # 65: 15 bytes left
 def test_a_truncated_buffer_is_rejected(cut):
     key = new_key()
     encrypted = encrypt(key, _message((64,)))
     encrypted.buffers["b0"] = encrypted.buffers["b0"][:-cut].clone()
-    with pytest.raises(SealError, match="buffer b0"):
+    short = 64 + TAG_BYTES - cut < TAG_BYTES
+    with pytest.raises(SealError, match="buffer b0: 15 bytes, too short" if short else "buffer b0"):
         decrypt(key, encrypted)
 
 
@@ -154,8 +155,41 @@ def test_the_cipher_key_is_not_the_handoff_key():
 @pytest.mark.parametrize("key", [None, b"short"], ids=["none", "short"])
 def test_encryption_needs_a_handoff_key(key):
     for operation in (encrypt, decrypt):
-        with pytest.raises(ValueError, match="key"):
+        with pytest.raises(ValueError, match="key") as raised:
             operation(key, _message())
+        if key is None:
+            assert str(raised.value) == "encryption needs the handoff key"
+
+
+def test_the_ciphertext_is_the_documented_construction():
+    """Known answer, built here from `cryptography` alone: AES-256-GCM under HKDF-SHA256(handoff
+    key, no salt, info "rekv-encrypt-1"), nonce seq (8 bytes) then buffer index (4), both little
+    endian, associated data the domain then the length-prefixed (4 bytes, little endian) request
+    id, seq, message name and buffer name. Another version must read the same bytes."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    key, message = bytes(range(32)), _message((40, 7), seq=258, request_id="req-9",
+                                              name="layer.12")
+    derived = HKDF(algorithm=hashes.SHA256(), length=32, salt=None,
+                   info=b"rekv-encrypt-1").derive(key)
+    encrypted = encrypt(key, message)
+    for index, name in enumerate(("b0", "b1")):
+        nonce = (258).to_bytes(8, "little") + index.to_bytes(4, "little")
+        aad = b"rekv-encrypt-1" + b"".join(len(part).to_bytes(4, "little") + part for part in (
+            b"req-9", b"258", b"layer.12", name.encode()))
+        want = AESGCM(derived).encrypt(nonce, message.buffers[name].numpy().tobytes(), aad)
+        assert encrypted.buffers[name].numpy().tobytes() == want, name
+
+
+def test_a_buffer_up_to_one_calls_limit_is_encrypted_and_one_byte_more_refused(monkeypatch):
+    monkeypatch.setattr(seal, "MAX_BUFFER_BYTES", 64)
+    key = new_key()
+    assert torch.equal(decrypt(key, encrypt(key, _message((64,)))).buffers["b0"],
+                       _message((64,)).buffers["b0"])
+    with pytest.raises(ValueError, match="layer.3: buffer b0: 65 bytes, more than the 64"):
+        encrypt(key, _message((65,)))
 
 
 def test_encrypt_then_seal_composes_with_open_then_decrypt():

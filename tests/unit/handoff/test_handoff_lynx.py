@@ -224,6 +224,29 @@ def test_the_drafts_are_greedy_decoding_on_the_anchor_cache(smollm_fp32, ids, mo
     assert cont.emitted[:cont.accepted] == want[:cont.accepted]
 
 
+def test_drafts_stop_where_the_cache_has_room_and_each_turn_is_at_its_context(smollm_fp32, ids):
+    """A cache with room for three rows past the prompt: two drafts (the verify pass takes the
+    third), drafted in turns at the cache's length, verified in one at the prompt's; k = 0 drafts
+    nothing and k < 0 is refused by name."""
+    model = smollm_fp32
+    out = prefill(model, ids, boundaries=())
+    full = [_int8(model, k, v) for k, v in zip(out.keys, out.values)]
+    rough = [_anchor(model, k, v) for k, v in zip(out.keys, out.values)]
+
+    def anchor_cache():
+        return KVCache.from_layers([k for k, _ in rough], [v for _, v in rough], SEQ_LEN + 3)
+
+    first, turns = int(torch.argmax(out.logits)), _RecordingTurns()
+    cont = continue_on_anchors(model, anchor_cache(), first, _PendingFull(full), DRAFTS, turns)
+    assert cont.drafted == 2
+    assert turns.contexts == [SEQ_LEN, SEQ_LEN + 1, SEQ_LEN]
+    residuals = _PendingFull(full)
+    assert continue_on_anchors(model, anchor_cache(), first, residuals, 0, turns).drafted == 0
+    assert residuals.applied
+    with pytest.raises(ValueError, match="k: must be >= 0, got -1"):
+        continue_on_anchors(model, anchor_cache(), first, _PendingFull(full), -1, turns)
+
+
 def test_a_lost_residual_raises_before_anything_drafted_is_verified(smollm_fp32, ids):
     model = smollm_fp32
     L = model.shape.num_layers
@@ -276,3 +299,12 @@ def test_the_plan_carries_the_streams_and_bad_actions_are_refused(smollm_bf16):
     # the same bytes as int8's, in another order
     assert (wire_bytes(Action("int8", CUT, L, progressive=True), shape, 512)
             == wire_bytes(Action("int8", CUT, L), shape, 512))
+
+
+class _RecordingTurns(_NoTurns):
+    def __init__(self):
+        self.contexts = []
+
+    def turn(self, context=0):
+        self.contexts.append(context)
+        return super().turn(context)

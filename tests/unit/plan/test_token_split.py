@@ -78,3 +78,25 @@ def test_the_planners_inputs_move_the_split_the_right_way():
     assert split(0.1, 1.0) == s and split(1000.0, 4000.0) < s
     with pytest.raises(ValueError, match="cut"):
         split_costs(CostInputs(shape, s, link_gbps=8.0, suffix_ms_per_layer=40.0), "bf16", 0)
+
+
+def test_a_boundary_row_as_dear_as_its_kv_row_is_not_sent_though_a_later_l_ties():
+    """a = b: T(l) >= T(0) for every l, equal where the wire bounds (768 here); the tie goes to
+    the smaller l, so nothing is recomputed."""
+    costs = SplitCosts(boundary_row_ms=1.0, suffix_row_ms=1.0, recompute_row_ms=0.1)
+    assert split_time(costs, 1024, 768) == split_time(costs, 1024, 0)
+    assert best_split(costs, 1024, 256) == brute_force_split(costs, 1024, 256) == 0
+
+
+def test_the_crossing_is_where_recompute_meets_the_wire_and_all_of_s_when_neither_costs():
+    costs = SplitCosts(boundary_row_ms=0.0, suffix_row_ms=0.5, recompute_row_ms=0.5)
+    assert crossing(costs, 1000) == 500.0  # g + b = 1
+    free = SplitCosts(boundary_row_ms=0.0, suffix_row_ms=0.0, recompute_row_ms=0.0)
+    assert crossing(free, 1000) == 1000.0
+
+
+def test_bad_lengths_are_refused_with_the_field_named():
+    with pytest.raises(ValueError, match="seq_len: must be positive, got 0"):
+        allowed_splits(0)
+    with pytest.raises(ValueError, match="block: must be positive, got 0"):
+        best_split(SplitCosts(0.0, 1.0, 1.0), 512, block=0)
