@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 
 import pytest
+import torch
 
-from rekv_core.engine import LayerBatcher
+from rekv_core.engine import BatcherClosed, LayerBatcher
 from rekv_core.engine import layer_batcher as layer_batcher_module
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.layer_batch import layer_forward_batch
+from tests.support.engine_fakes import WAIT_S
 from tests.unit.engine.test_layer_batcher import (LAYERS, _counting, _equal, _Gate,
                                                   _hand_over_together, _inputs, _model,
-                                                  _same_run)
+                                                  _same_run, _wait_pending)
 
 
 def test_a_lone_run_from_a_later_layer_runs_its_own_layers_in_one_call():
@@ -151,3 +154,67 @@ def test_a_failing_lone_call_raises_its_error_is_logged_and_the_batcher_serves_o
         assert batcher.run_layers(model, h, 1, LAYERS, 0, cache).h.shape == h.shape
     finally:
         batcher.close()
+
+
+def test_by_default_runs_share_gemms_catch_up_may_be_zero_and_the_thread_is_a_named_daemon():
+    model, gate, flags = _model(), _Gate(), []
+
+    def forward(model, index, segments, invariant):
+        flags.append(invariant)
+        return layer_forward_batch(model, index, segments, invariant)
+
+    batcher = LayerBatcher(model, gate, forward=forward, catch_up=0)
+    thread = batcher._thread
+    assert thread.name == "rekv-layers" and thread.daemon and thread in threading.enumerate()
+    _hand_over_together(batcher, gate, model, [(8, 0, LAYERS, 0)] * 2)
+    assert flags and not any(flags)
+    assert not thread.is_alive()  # close() ended it
+
+
+def test_a_run_of_no_rows_or_no_layers_is_its_input_at_once():
+    model = _model()
+    batcher = LayerBatcher(model, _Gate())  # a shut gate: anything handed over would wait
+    h, cache = _inputs(model, 8, 0, 0, LAYERS, 0)
+    try:
+        for rows, start, stop in ((8, 2, 2), (0, 0, LAYERS)):
+            run = batcher.run_layers(model, h[:rows], start, stop, 0, cache)
+            assert run.h is not None and torch.equal(run.h, h[:rows]) and run.compute_s == 0.0
+        assert batcher.pending == 0
+    finally:
+        batcher.close()
+
+
+def test_the_refusals_say_what_happened():
+    model = _model()
+    batcher = LayerBatcher(model, _Gate())
+    h, cache = _inputs(model, 8, 0, 0, LAYERS, 0)
+    with pytest.raises(ValueError, match="^model: the batcher runs its own model's layers only$"):
+        batcher.run_layers(_model(), h, 0, LAYERS, 0, cache)
+    batcher.close()
+    with pytest.raises(BatcherClosed, match="^the layer batcher is closed$"):
+        batcher.run_layers(model, h, 0, LAYERS, 0, cache)
+
+
+def test_a_run_still_waiting_at_the_close_hears_that_the_batcher_closed():
+    model, gate = _model(), _Gate()
+    batcher = LayerBatcher(model, gate)
+    h, cache = _inputs(model, 8, 0, 0, LAYERS, 0)
+    errors: list[str] = []
+
+    def go():
+        try:
+            batcher.run_layers(model, h, 0, LAYERS, 0, cache)
+        except BatcherClosed as exc:
+            errors.append(str(exc))
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    _wait_pending(batcher, 1)
+    closing = threading.Thread(target=batcher.close, daemon=True)
+    closing.start()
+    while not batcher._closed:
+        threading.Event().wait(0.001)
+    gate.open.set()
+    closing.join(WAIT_S)
+    thread.join(WAIT_S)
+    assert errors == ["the layer batcher closed"]
