@@ -242,7 +242,7 @@ def test_a_run_waiting_when_the_batcher_closes_ends_with_batcher_closed():
     gate.open.set()  # the thread's turn is granted after the close: it runs nothing
     closing.join(WAIT_S)
     thread.join(WAIT_S)
-    assert len(outcome) == 1
+    assert len(outcome) == 1 and str(outcome[0]) == "the layer batcher closed"
     with pytest.raises(BatcherClosed):
         batcher.run_layers(model, h, 0, LAYERS, 0, cache)
 

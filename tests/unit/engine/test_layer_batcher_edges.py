@@ -16,10 +16,9 @@ from rekv_core.engine import BatcherClosed, LayerBatcher
 from rekv_core.engine import layer_batcher as layer_batcher_module
 from rekv_core.model.blocks import EXEC_BLOCK
 from rekv_core.model.layer_batch import layer_forward_batch
-from tests.support.engine_fakes import WAIT_S
 from tests.unit.engine.test_layer_batcher import (LAYERS, _counting, _equal, _Gate,
                                                   _hand_over_together, _inputs, _model,
-                                                  _same_run, _wait_pending)
+                                                  _same_run)
 
 
 def test_a_lone_run_from_a_later_layer_runs_its_own_layers_in_one_call():
@@ -194,27 +193,3 @@ def test_the_refusals_say_what_happened():
     with pytest.raises(BatcherClosed, match="^the layer batcher is closed$"):
         batcher.run_layers(model, h, 0, LAYERS, 0, cache)
 
-
-def test_a_run_still_waiting_at_the_close_hears_that_the_batcher_closed():
-    model, gate = _model(), _Gate()
-    batcher = LayerBatcher(model, gate)
-    h, cache = _inputs(model, 8, 0, 0, LAYERS, 0)
-    errors: list[str] = []
-
-    def go():
-        try:
-            batcher.run_layers(model, h, 0, LAYERS, 0, cache)
-        except BatcherClosed as exc:
-            errors.append(str(exc))
-
-    thread = threading.Thread(target=go, daemon=True)
-    thread.start()
-    _wait_pending(batcher, 1)
-    closing = threading.Thread(target=batcher.close, daemon=True)
-    closing.start()
-    while not batcher._closed:
-        threading.Event().wait(0.001)
-    gate.open.set()
-    closing.join(WAIT_S)
-    thread.join(WAIT_S)
-    assert errors == ["the layer batcher closed"]
