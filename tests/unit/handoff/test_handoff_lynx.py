@@ -236,15 +236,36 @@ def test_drafts_stop_where_the_cache_has_room_and_each_turn_is_at_its_context(sm
     def anchor_cache():
         return KVCache.from_layers([k for k, _ in rough], [v for _, v in rough], SEQ_LEN + 3)
 
-    first, turns = int(torch.argmax(out.logits)), _RecordingTurns()
+    first, turns, L = int(torch.argmax(out.logits)), _RecordingTurns(), model.shape.num_layers
     cont = continue_on_anchors(model, anchor_cache(), first, _PendingFull(full), DRAFTS, turns)
     assert cont.drafted == 2
     assert turns.contexts == [SEQ_LEN, SEQ_LEN + 1, SEQ_LEN]
+    assert [turn.spent for turn in turns.granted] == [L, L, 3 * L]  # a step each, then verify
     residuals = _PendingFull(full)
-    assert continue_on_anchors(model, anchor_cache(), first, residuals, 0, turns).drafted == 0
+    assert continue_on_anchors(model, anchor_cache(), first, residuals, 0, turns) == (
+        progressive.Continued([], 0, 0))
     assert residuals.applied
     with pytest.raises(ValueError, match="k: must be >= 0, got -1"):
         continue_on_anchors(model, anchor_cache(), first, _PendingFull(full), -1, turns)
+
+
+def test_a_draft_that_fails_abandons_the_residuals_and_raises(smollm_fp32, ids):
+    model, abandoned = smollm_fp32, []
+
+    class Failing(_RecordingTurns):
+        def turn(self, context=0):
+            raise RuntimeError("no turn")
+
+    class Recording(_PendingFull):
+        def abandon(self, reason):
+            abandoned.append(reason)
+
+    cache = KVCache(model.shape.num_layers, model.shape.num_kv_heads, model.shape.head_dim,
+                    8, model.dtype)
+    cache.length = 4
+    with pytest.raises(RuntimeError, match="no turn"):
+        continue_on_anchors(model, cache, 1, Recording([]), 2, Failing())
+    assert abandoned == ["drafting failed"] and cache.length == 4
 
 
 def test_a_lost_residual_raises_before_anything_drafted_is_verified(smollm_fp32, ids):
@@ -303,8 +324,10 @@ def test_the_plan_carries_the_streams_and_bad_actions_are_refused(smollm_bf16):
 
 class _RecordingTurns(_NoTurns):
     def __init__(self):
-        self.contexts = []
+        self.contexts, self.granted = [], []
 
     def turn(self, context=0):
         self.contexts.append(context)
-        return super().turn(context)
+        granted = super().turn(context)
+        self.granted.append(granted.enter_result)
+        return granted

@@ -178,3 +178,20 @@ def test_the_judge_keeps_a_window_per_action_under_the_models_policy(tmp_path):
         CanaryJudge.for_model("smollm2-135m", str(tmp_path / "policy.json"), window=1)
     with pytest.raises(ValueError, match=r"window: must be >= 1, got 0"):
         CanaryJudge(None, window=0)
+
+
+def test_a_cache_without_the_prompt_and_one_more_row_is_refused_by_name(smollm_fp32, tokenizer):
+    """The check needs the prompt's positions and room for one more: a cache of exactly that is
+    checked (one position past the first), one row short or one position short is refused."""
+    ids = tokenizer.encode(PROMPT)
+    cache, logits = _handed(smollm_fp32, ids, extra=1)
+    _, result = _run(canary_steps(smollm_fp32, ids, cache, logits, continuation=5))
+    assert result.positions == 2 and result.agrees
+    tight, _ = _handed(smollm_fp32, ids, extra=0)
+    with pytest.raises(ValueError, match=f"lossy: holds {len(ids)} of {len(ids)} prompt positions "
+                                         f"with room to {len(ids)}"):
+        _run(canary_steps(smollm_fp32, ids, tight, logits, continuation=5))
+    short, _ = _handed(smollm_fp32, ids, extra=4)
+    short.length = len(ids) - 1
+    with pytest.raises(ValueError, match=f"holds {len(ids) - 1} of {len(ids)}"):
+        _run(canary_steps(smollm_fp32, ids, short, logits, continuation=5))
