@@ -21,6 +21,13 @@ from tests.unit.engine.test_layer_batcher import (LAYERS, _counting, _equal, _Ga
                                                   _same_run)
 
 
+def _flagging(flags: list[bool]):
+    """The batched call, recording the invariant flag each call is given."""
+    def forward(model, index, segments, invariant):
+        flags.append(invariant)
+        return layer_forward_batch(model, index, segments, invariant)
+    return forward
+
 def test_a_lone_run_from_a_later_layer_runs_its_own_layers_in_one_call():
     model, gate, calls, observed = _model(), _Gate(), [], []
     batcher = LayerBatcher(model, gate, forward=_counting(calls),
@@ -75,11 +82,7 @@ def test_an_allowance_of_one_row_runs_one_row_a_turn():
 def test_the_invariant_flag_reaches_every_call():
     model, gate, flags = _model(), _Gate(), []
 
-    def forward(model, index, segments, invariant):
-        flags.append(invariant)
-        return layer_forward_batch(model, index, segments, invariant)
-
-    batcher = LayerBatcher(model, gate, invariant=True, forward=forward)
+    batcher = LayerBatcher(model, gate, invariant=True, forward=_flagging(flags))
     _hand_over_together(batcher, gate, model, [(8, 0, LAYERS, 0)] * 2)
     assert flags and all(flag is True for flag in flags)
 
@@ -158,11 +161,7 @@ def test_a_failing_lone_call_raises_its_error_is_logged_and_the_batcher_serves_o
 def test_by_default_runs_share_gemms_catch_up_may_be_zero_and_the_thread_is_a_named_daemon():
     model, gate, flags = _model(), _Gate(), []
 
-    def forward(model, index, segments, invariant):
-        flags.append(invariant)
-        return layer_forward_batch(model, index, segments, invariant)
-
-    batcher = LayerBatcher(model, gate, forward=forward, catch_up=0)
+    batcher = LayerBatcher(model, gate, forward=_flagging(flags), catch_up=0)
     thread = batcher._thread
     assert thread.name == "rekv-layers" and thread.daemon and thread in threading.enumerate()
     _hand_over_together(batcher, gate, model, [(8, 0, LAYERS, 0)] * 2)

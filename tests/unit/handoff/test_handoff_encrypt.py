@@ -101,8 +101,9 @@ def test_a_truncated_buffer_is_rejected(cut):
     key = new_key()
     encrypted = encrypt(key, _message((64,)))
     encrypted.buffers["b0"] = encrypted.buffers["b0"][:-cut].clone()
-    short = 64 + TAG_BYTES - cut < TAG_BYTES
-    with pytest.raises(SealError, match="buffer b0: 15 bytes, too short" if short else "buffer b0"):
+    left = 64 + TAG_BYTES - cut
+    with pytest.raises(SealError, match=f"buffer b0: {left} bytes, too short" if left < TAG_BYTES
+                       else "buffer b0"):
         decrypt(key, encrypted)
 
 

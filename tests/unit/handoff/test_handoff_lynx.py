@@ -28,6 +28,7 @@ from rekv_core.model import KVCache, prefill
 from rekv_core.model.executor import decode_greedy, final_logits
 from rekv_core.model.speculation import draft
 from rekv_core.model.turns import Turn
+from tests.support.engine_fakes import empty_cache
 from tests.support.inprocess_handoff import MessageNames, run_handoff
 
 SEQ_LEN, CUT, NEW, DRAFTS = 300, 12, 12, 5  # 300 rows: one boundary chunk at any size
@@ -37,6 +38,15 @@ SEQ_LEN, CUT, NEW, DRAFTS = 300, 12, 12, 5  # 300 rows: one boundary chunk at an
 def ids():
     return torch.randint(1000, 40000, (SEQ_LEN,),
                          generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def anchored(smollm_fp32, ids):
+    """The float32 prefill of `ids`, its layers through `int8` and at anchor precision."""
+    out = prefill(smollm_fp32, ids, boundaries=())
+    pairs = list(zip(out.keys, out.values))
+    return (out, [_int8(smollm_fp32, k, v) for k, v in pairs],
+            [_anchor(smollm_fp32, k, v) for k, v in pairs])
 
 
 def _int8(model, k, v):
@@ -196,14 +206,11 @@ class _PendingFull:
         raise AssertionError(f"abandoned: {reason}")
 
 
-def test_the_drafts_are_greedy_decoding_on_the_anchor_cache(smollm_fp32, ids, monkeypatch):
+def test_the_drafts_are_greedy_decoding_on_the_anchor_cache(smollm_fp32, anchored, monkeypatch):
     """The drafts `continue_on_anchors` hands the verification are the k tokens greedy decoding
     makes on the anchor-precision cache after the first token: the same decode steps on the same
     cache, so bit for bit, on any machine."""
-    model = smollm_fp32
-    out = prefill(model, ids, boundaries=())
-    full = [_int8(model, k, v) for k, v in zip(out.keys, out.values)]
-    rough = [_anchor(model, k, v) for k, v in zip(out.keys, out.values)]
+    model, (out, full, rough) = smollm_fp32, anchored
 
     def anchor_cache():
         return KVCache.from_layers([k for k, _ in rough], [v for _, v in rough], SEQ_LEN + NEW)
@@ -224,14 +231,12 @@ def test_the_drafts_are_greedy_decoding_on_the_anchor_cache(smollm_fp32, ids, mo
     assert cont.emitted[:cont.accepted] == want[:cont.accepted]
 
 
-def test_drafts_stop_where_the_cache_has_room_and_each_turn_is_at_its_context(smollm_fp32, ids):
+def test_drafts_stop_where_the_cache_has_room_and_each_turn_is_at_its_context(smollm_fp32,
+                                                                              anchored):
     """A cache with room for three rows past the prompt: two drafts (the verify pass takes the
     third), drafted in turns at the cache's length, verified in one at the prompt's; k = 0 drafts
     nothing and k < 0 is refused by name."""
-    model = smollm_fp32
-    out = prefill(model, ids, boundaries=())
-    full = [_int8(model, k, v) for k, v in zip(out.keys, out.values)]
-    rough = [_anchor(model, k, v) for k, v in zip(out.keys, out.values)]
+    model, (out, full, rough) = smollm_fp32, anchored
 
     def anchor_cache():
         return KVCache.from_layers([k for k, _ in rough], [v for _, v in rough], SEQ_LEN + 3)
@@ -249,7 +254,7 @@ def test_drafts_stop_where_the_cache_has_room_and_each_turn_is_at_its_context(sm
         continue_on_anchors(model, anchor_cache(), first, _PendingFull(full), -1, turns)
 
 
-def test_a_draft_that_fails_abandons_the_residuals_and_raises(smollm_fp32, ids):
+def test_a_draft_that_fails_abandons_the_residuals_and_raises(smollm_fp32):
     model, abandoned = smollm_fp32, []
 
     class Failing(_RecordingTurns):
@@ -260,8 +265,7 @@ def test_a_draft_that_fails_abandons_the_residuals_and_raises(smollm_fp32, ids):
         def abandon(self, reason):
             abandoned.append(reason)
 
-    cache = KVCache(model.shape.num_layers, model.shape.num_kv_heads, model.shape.head_dim,
-                    8, model.dtype)
+    cache = empty_cache(model, 8)
     cache.length = 4
     with pytest.raises(RuntimeError, match="no turn"):
         continue_on_anchors(model, cache, 1, Recording([]), 2, Failing())

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from rekv_core.model import KVCache, decode_step, extend, prefill, run_layers, run_layers_chunk
+from tests.support.engine_fakes import empty_cache
 
 CUTS = [0, 1, 7, 15, 29, 30]
 
@@ -59,12 +60,10 @@ def test_bad_cut_and_boundary_are_named(smollm_fp32):
 def test_every_entry_point_runs_in_inference_mode(smollm_fp32):
     """Each public pass builds no autograd graph: its outputs are inference tensors even when its
     inputs and the cache were made outside inference mode."""
-    model, shape = smollm_fp32, smollm_fp32.shape
-    cache = KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim, 64, model.dtype)
-    h = torch.zeros(4, shape.hidden_size, dtype=model.dtype)
+    model = smollm_fp32
+    h = torch.zeros(4, model.shape.hidden_size, dtype=model.dtype)
     assert not h.is_inference()
-    assert run_layers_chunk(model, h, 0, 0, cache, stop=2).is_inference()
+    assert run_layers_chunk(model, h, 0, 0, empty_cache(model), stop=2).is_inference()
     assert run_layers(model, h, start=28).logits.is_inference()
     assert prefill(model, [1, 2, 3], boundaries=()).logits.is_inference()
-    assert extend(model, [1, 2], KVCache(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                         8, model.dtype)).is_inference()
+    assert extend(model, [1, 2], empty_cache(model, 8)).is_inference()
